@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from types import SimpleNamespace
 
 BACKENDS = ("triton", "reference")
 
@@ -22,16 +21,26 @@ _OPS = {
 }
 
 
-def get_ops(backend: str) -> SimpleNamespace:
-    """Return a namespace with every op for `backend` ("triton" or "reference")."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    part = "ops" if backend == "triton" else "reference"
-    ops = {}
-    for name, package in _OPS.items():
-        module = importlib.import_module(f"{package}.{part}")
-        ops[name] = getattr(module, name)
-    return SimpleNamespace(backend=backend, **ops)
+class KernelOps:
+    """The ops of one backend, imported on first use (so a model that never uses an op never imports it)."""
+
+    def __init__(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+
+    def __getattr__(self, name: str):
+        if name not in _OPS:
+            raise AttributeError(f"no kernel op named {name!r}")
+        part = "ops" if self.backend == "triton" else "reference"
+        fn = getattr(importlib.import_module(f"{_OPS[name]}.{part}"), name)
+        setattr(self, name, fn)
+        return fn
+
+
+def get_ops(backend: str) -> KernelOps:
+    """Every op for `backend` ("triton" or "reference")."""
+    return KernelOps(backend)
 
 
 def triton_usable(device_type: str) -> bool:

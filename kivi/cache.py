@@ -99,6 +99,11 @@ class PagedKVCache(Cache):
         """Set self.meta for a decode step (seq_lens include the new token)."""
         raise NotImplementedError
 
+    def is_prefill(self, layer: KiviLayer, q_len: int) -> bool:
+        return layer.seen_tokens == 0
+
+    counts_positions = True  # layers count the positions they have seen (for transformers' masks)
+
     # -- the two halves of a layer's forward -------------------------------------------
     def storage_for(self, device: torch.device):
         if self.storage is None:
@@ -108,7 +113,7 @@ class PagedKVCache(Cache):
     def update_layer(self, layer: KiviLayer, key: torch.Tensor, value: torch.Tensor):
         """Called by the model right before attention. key/value: [B, H, T, D]."""
         q_len = key.shape[2]
-        if layer.seen_tokens == 0:
+        if self.is_prefill(layer, q_len):
             key.kivi_step = (layer, "prefill")  # the attention function stores after its SDPA
         elif q_len == 1:
             self.begin_decode(layer)
@@ -119,7 +124,8 @@ class PagedKVCache(Cache):
                 "KiviCache: a multi-token forward on a non-empty cache (cache reuse across generate calls, "
                 "assisted decoding) is not supported; start a new cache"
             )
-        layer.seen_tokens += q_len
+        if self.counts_positions:
+            layer.seen_tokens += q_len
         return key, value
 
     def store_prefill(self, layer: KiviLayer, key, value, attention_mask) -> None:

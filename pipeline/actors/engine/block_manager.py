@@ -1,0 +1,39 @@
+"""Slots and pages of the engine's cache pool: who holds what, and whether a sequence fits."""
+
+from __future__ import annotations
+
+from pipeline.actors.engine.request import Sequence
+
+
+class BlockManager:
+    """Free lists of cache slots (one per sequence in flight) and pages (its packed tokens).
+
+    A sequence reserves the pages of its whole length (prompt + max_new_tokens) when it is admitted,
+    so a running batch can never run out of cache memory.
+    """
+
+    def __init__(self, num_slots: int, num_pages: int, pages_for) -> None:
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+        self.pages_for = pages_for  # tokens -> pages
+        self.num_slots, self.num_pages = num_slots, num_pages
+
+    def can_admit(self, seq: Sequence) -> bool:
+        return bool(self.free_slots) and len(self.free_pages) >= self.pages_for(seq.total_len)
+
+    def fits_ever(self, seq: Sequence) -> bool:
+        return self.pages_for(seq.total_len) <= self.num_pages
+
+    def admit(self, seq: Sequence) -> None:
+        seq.slot = self.free_slots.pop()
+        seq.pages = [self.free_pages.pop() for _ in range(self.pages_for(seq.total_len))]
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            self.free_pages.extend(reversed(seq.pages))
+        seq.slot, seq.pages = -1, []
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self.free_pages)

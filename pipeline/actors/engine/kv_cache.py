@@ -1,0 +1,72 @@
+"""The engine's cache: fixed pools allocated once, batch metadata written by the engine each step.
+
+It is the same transformers `Cache` mechanics as `kivi.KiviCache` (so the model runs through the
+same registered attention function), but nothing grows or moves after allocation: tensor
+addresses stay fixed, which is what CUDA graph replays need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kivi.cache import KiviLayer, PagedKVCache
+from kivi.storage import BatchMeta
+
+
+def kv_shape(config) -> tuple[int, int, int]:
+    """(num_layers, kv_heads, head_dim) of a transformers config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class EngineCache(PagedKVCache):
+    """Preallocated pools of `num_pages` pages and `num_slots` slots for every layer."""
+
+    counts_positions = False
+
+    def __init__(self, config, storage, *, num_slots: int, num_pages: int, max_pages_per_seq: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(config, lambda _device: storage)
+        self.storage = storage
+        _, kv_heads, head_dim = kv_shape(config)
+        for layer in self.layers:
+            layer.num_heads, layer.head_dim, layer.dtype, layer.device = kv_heads, head_dim, dtype, device
+            layer.tensors = storage.allocate_pages(num_pages, kv_heads, head_dim, dtype, device)
+            layer.tensors.update(storage.allocate_slots(num_slots, kv_heads, head_dim, dtype, device))
+            layer.is_initialized = True
+        self.block_table = torch.zeros(num_slots, max_pages_per_seq, dtype=torch.int32, device=device)
+        self.page_bytes = storage.page_bytes(kv_heads, head_dim, dtype) * len(self.layers)
+        self.slot_bytes = storage.slot_bytes(kv_heads, head_dim, dtype) * len(self.layers)
+        self.bf16_token_bytes = 2 * kv_heads * head_dim * 2 * len(self.layers)
+        self.mode = "decode"
+        self.prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def allocate(self, layer: KiviLayer) -> None:
+        raise RuntimeError("EngineCache pools are allocated up front")
+
+    def is_prefill(self, layer: KiviLayer, q_len: int) -> bool:
+        return self.mode == "prefill"
+
+    def set_prefill(self, slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
+        """slots/starts/lengths: [B] int32 on the cache device (rows of a padded prefill batch)."""
+        self.mode = "prefill"
+        self.meta = BatchMeta(slots=slots, seq_lens=lengths, block_table=self.block_table)
+        self.prefill_rows = (starts, lengths)
+
+    def set_decode(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """slots/seq_lens: [B] int32 (seq_lens include the token being decoded; 0 = padding row)."""
+        self.mode = "decode"
+        self.meta = BatchMeta(slots=slots, seq_lens=seq_lens, block_table=self.block_table)
+
+    def begin_prefill(self, layer: KiviLayer, attention_mask, key: torch.Tensor):
+        return self.prefill_rows
+
+    def begin_decode(self, layer: KiviLayer) -> None:
+        pass
+
+    def set_pages(self, slot: int, pages: list[int]) -> None:
+        if pages:
+            self.block_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)

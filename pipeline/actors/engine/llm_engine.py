@@ -1,0 +1,265 @@
+"""LLMEngine: continuous batching over the paged KIVI (or bf16) cache.
+
+Each loop iteration either prefills newly admitted requests (as many as have a free slot and
+pages for their whole length, up to a token budget) or runs one decode step for every sequence in
+flight. A finished sequence frees its slot and pages at once, and the next waiting request takes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from kivi.cache import resolve_backend
+from kivi.config import KiviConfig
+from kivi.storage import FullStorage, QuantizedStorage
+from pipeline.actors.engine.block_manager import BlockManager
+from pipeline.actors.engine.kv_cache import EngineCache
+from pipeline.actors.engine.memory import measure_workspace, plan_cache
+from pipeline.actors.engine.model_runner import ModelRunner
+from pipeline.actors.engine.request import Completion, Request, Sequence
+from pipeline.actors.engine.sampler import sample
+from pipeline.actors.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """kivi=None runs a plain full-precision paged cache (the baseline)."""
+
+    kivi: KiviConfig | None = KiviConfig()
+    gpu_memory_utilization: float = 0.90
+    memory_limit_gib: float | None = None  # cap on device memory, overriding utilization * total
+    max_batch_size: int = 256
+    max_model_len: int | None = None
+    max_prefill_tokens: int = 16384
+    page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
+    cuda_graphs: bool = True
+    cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("max_batch_size", "max_prefill_tokens", "page_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
+            raise ValueError(f"memory_limit_gib must be positive, got {self.memory_limit_gib!r}")
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
+        self.runner: ModelRunner | None = None
+        self.reset_stats()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _storage(self):
+        kivi = self.config.kivi
+        if kivi is None:
+            backend = "triton" if kernels.triton_usable(self.device.type) else "reference"
+            return FullStorage(self.config.page_size, kernels.get_ops(backend))
+        kivi = resolve_backend(kivi, self.device)
+        return QuantizedStorage(kivi, kernels.get_ops(kivi.backend))
+
+    def _build(self, seqs: list[Sequence]) -> None:
+        """Plan and allocate the cache for sequences like these, then capture the decode graphs."""
+        storage = self._storage()
+        cfg = self.config
+        probe = EngineCache(self.model.config, storage, num_slots=1, num_pages=1, max_pages_per_seq=1,
+                            dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            limit = cfg.memory_limit_gib * 2**30 if cfg.memory_limit_gib else cfg.gpu_memory_utilization * total
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            workspace = measure_workspace(self.model, cfg.max_prefill_tokens, vocab, cfg.max_batch_size)
+            used = torch.cuda.memory_allocated(self.device)
+        else:
+            limit, workspace, used = cfg.cpu_cache_gib * 2**30, 0, 0
+        mean_len = sum(s.total_len for s in seqs) / len(seqs)
+        plan = plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
+                          page_bytes=probe.page_bytes, slot_bytes=probe.slot_bytes,
+                          pages_per_seq=storage.pages_for(int(mean_len)) + 0.5, max_batch=cfg.max_batch_size,
+                          min_pages=storage.pages_for(self.max_model_len))
+        del probe
+        self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
+                                 max_pages_per_seq=max(1, storage.pages_for(self.max_model_len)),
+                                 dtype=self.dtype, device=self.device)
+        self.blocks = BlockManager(plan.num_slots, plan.num_pages, storage.pages_for)
+        self.scheduler = Scheduler(self.blocks, cfg.max_prefill_tokens)
+        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs)
+        self.plan = plan
+        log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
+
+    # -- requests --------------------------------------------------------------------------
+    def _check(self, request: Request) -> str | None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            return "empty prompt"
+        if n >= self.max_model_len:
+            return f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} tokens"
+        return None
+
+    def _error(self, request: Request, message: str) -> Completion:
+        return Completion(request.request_id, "", [], len(request.prompt_token_ids), "error", message)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run every request to completion; completions come back in the order of `requests`."""
+        t_start = time.perf_counter()
+        results: list[Completion | None] = [None] * len(requests)
+        seqs = []
+        for index, request in enumerate(requests):
+            problem = self._check(request)
+            if problem:
+                results[index] = self._error(request, problem)
+                continue
+            room = self.max_model_len - len(request.prompt_token_ids)
+            seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room)))
+        if seqs and self.runner is None:
+            self._build(seqs)
+        for seq in seqs:
+            if not self.blocks.fits_ever(seq):
+                results[seq.index] = self._error(seq.request, "request does not fit the cache")
+            else:
+                self.scheduler.add(seq)
+        while self.scheduler.has_work():
+            batch = self.scheduler.next_prefill()
+            if batch:
+                self._prefill(batch, results, t_start)
+            else:
+                self._decode(results, t_start)
+        self.stats_acc["wall_s"] += time.perf_counter() - t_start
+        return results
+
+    # -- steps -----------------------------------------------------------------------------
+    def _prefill(self, batch: list[Sequence], results, t_start: float) -> None:
+        try:
+            for seq in batch:
+                self.cache.set_pages(seq.slot, seq.pages)
+            logits = self.runner.prefill([s.request.prompt_token_ids for s in batch], [s.slot for s in batch])
+        except torch.OutOfMemoryError:
+            self._out_of_memory(batch, results)
+            return
+        self.scheduler.start_running(batch)
+        self._sample_and_advance(batch, logits, results, t_start)
+
+    def _decode(self, results, t_start: float) -> None:
+        running = list(self.scheduler.running)
+        tokens = [s.output[-1] for s in running]
+        positions = [s.cached_len - 1 for s in running]
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.decode(tokens, positions, [s.slot for s in running])
+        except torch.OutOfMemoryError:
+            self._out_of_memory(self.scheduler.preempt_half(), results)
+            return
+        self._sample_and_advance(running, logits, results, t_start)
+        self.stats_acc["decode_steps"] += 1
+        self.stats_acc["decode_s"] += time.perf_counter() - t0
+        self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], len(running))
+
+    def _out_of_memory(self, seqs: list[Sequence], results) -> None:
+        """Shrink the batch and put the work back in the queue; a lone sequence that fails is an error."""
+        torch.cuda.empty_cache()
+        self.stats_acc["oom_retries"] += 1
+        if len(seqs) == 1 and self.scheduler.prefill_tokens <= len(seqs[0].request.prompt_token_ids):
+            self.blocks.release(seqs[0])
+            results[seqs[0].index] = self._error(seqs[0].request, "CUDA out of memory for this request alone")
+            return
+        self.scheduler.shrink(seqs)
+        log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",
+                    len(seqs), self.scheduler.prefill_tokens)
+
+    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, results, t_start: float) -> None:
+        params = [s.request.sampling for s in seqs]
+        dev = logits.device
+        tokens = sample(
+            logits,
+            temperature=torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], device=dev),
+            top_p=torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+            seeds=torch.tensor([s.seed for s in seqs], device=dev),
+            steps=torch.tensor([len(s.output) for s in seqs], device=dev),
+        ).tolist()
+        now = time.perf_counter()
+        self._record_memory()
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.t_first = seq.t_first or now
+            if token in self.eos_ids:
+                seq.finish_reason = "stop"
+            else:
+                seq.output.append(token)
+                if self._hit_stop_string(seq):
+                    seq.finish_reason = "stop"
+                elif len(seq.output) >= seq.max_new_tokens:
+                    seq.finish_reason = "length"
+            if seq.finish_reason:
+                self._finish(seq, results, t_start, now)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        stops = seq.request.sampling.stop
+        if not stops:
+            return False
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            seq.text = text[:cut]
+            return True
+        return False
+
+    def _finish(self, seq: Sequence, results, t_start: float, now: float) -> None:
+        self.scheduler.finish(seq)
+        self.blocks.release(seq)
+        if seq.finish_reason != "stop" or not seq.request.sampling.stop or not seq.text:
+            seq.text = seq.text or self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        results[seq.index] = Completion(
+            request_id=seq.request.request_id, text=seq.text, token_ids=list(seq.output),
+            num_input_tokens=seq.prompt_len, finish_reason=seq.finish_reason,
+            ttft_s=seq.t_first - t_start, decode_s=now - seq.t_first,
+        )
+
+    # -- stats -----------------------------------------------------------------------------
+    def _record_memory(self) -> None:
+        running = self.scheduler.running
+        pages = sum(self.cache.storage.pages_for(s.cached_len) for s in running)
+        held = pages * self.cache.page_bytes + len(running) * self.cache.slot_bytes
+        tokens = sum(s.cached_len for s in running)
+        acc = self.stats_acc
+        if held > acc["kv_cache_bytes"]:
+            acc["kv_cache_bytes"], acc["kv_cache_bytes_bf16"] = held, tokens * self.cache.bf16_token_bytes
+
+    def reset_stats(self) -> None:
+        self.stats_acc = dict(kv_cache_bytes=0, kv_cache_bytes_bf16=0, decode_steps=0, decode_s=0.0,
+                              max_in_flight=0, oom_retries=0, wall_s=0.0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stats(self) -> dict:
+        """Peaks and totals since the last reset_stats()."""
+        if self.device.type == "cuda":
+            max_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+            name = torch.cuda.get_device_name(self.device)
+        else:
+            import psutil
+
+            max_mb, name = psutil.Process().memory_info().rss / 2**20, "cpu"
+        out = dict(self.stats_acc, max_allocated_mb=max_mb, device_name=name)
+        if self.runner is not None:
+            out.update(num_slots=self.plan.num_slots, num_pages=self.plan.num_pages)
+        return out

@@ -1,0 +1,52 @@
+"""How many sequences and cache pages fit: the memory plan behind the batch width."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_slots: int  # sequences in flight at most
+    num_pages: int
+    budget_bytes: int  # what the cache was allowed to take
+    workspace_bytes: int  # measured activation peak set aside
+
+
+def measure_workspace(model, prefill_tokens: int, vocab: int, max_batch: int) -> int:
+    """Peak activation bytes of a prefill forward of `prefill_tokens` tokens (no cache) plus decode logits."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.zeros(1, prefill_tokens, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        model.get_output_embeddings()(hidden[:, -1])
+    del hidden
+    peak = torch.cuda.max_memory_allocated() - before
+    return peak + 2 * max_batch * vocab * 4  # decode logits in fp32, twice (graph output + sampling)
+
+
+def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_bytes: int, slot_bytes: int,
+               pages_per_seq: float, max_batch: int, min_pages: int) -> CachePlan:
+    """Split the bytes left under `limit_bytes` into slots and pages.
+
+    Sequences of about `pages_per_seq` pages each decide how many slots are worth having; every
+    byte not spent on slots becomes pages. Raises ValueError if not even one sequence fits.
+    """
+    budget = limit_bytes - used_bytes - workspace_bytes
+    per_seq = slot_bytes + pages_per_seq * page_bytes
+    num_slots = int(max(1, min(max_batch, budget // max(per_seq, 1))))
+    num_pages = int((budget - num_slots * slot_bytes) // max(page_bytes, 1))
+    if budget <= 0 or num_pages < min_pages:
+        raise ValueError(
+            f"the KV cache does not fit: {budget / 2**30:.2f} GiB left for it under a limit of "
+            f"{limit_bytes / 2**30:.2f} GiB (weights {used_bytes / 2**30:.2f} GiB, activations "
+            f"{workspace_bytes / 2**30:.2f} GiB); one sequence needs {min_pages} pages of {page_bytes} bytes"
+        )
+    return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes)

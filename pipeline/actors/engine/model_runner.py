@@ -1,0 +1,99 @@
+"""Runs the model: padded prefill batches, and decode steps replayed from CUDA graphs.
+
+Decode graphs are captured once per batch-size bucket over static input tensors; a step copies
+its token ids, positions, slots and lengths into those tensors and replays the bucket's graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from pipeline.actors.engine.kv_cache import EngineCache
+
+
+def _cache_kwarg(decoder) -> str:
+    """transformers 5.24 renamed past_key_values to cache."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class ModelRunner:
+    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool) -> None:
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.cache = cache
+        self.cache_kwarg = _cache_kwarg(self.decoder)
+        self.device = next(model.parameters()).device
+        self.buckets = batch_buckets(max_batch)
+        int_buf = lambda: torch.zeros(max_batch, dtype=torch.int32, device=self.device)
+        self.input_ids = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
+        self.slots, self.seq_lens = int_buf(), int_buf()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_cuda_graphs:
+            self.capture()
+
+    def _forward(self, **inputs) -> torch.Tensor:
+        inputs[self.cache_kwarg] = self.cache
+        return self.decoder(use_cache=True, **inputs).last_hidden_state
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """Store the prompts in the cache; returns next-token logits [B, V] (float32)."""
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt)
+            mask[row, : len(prompt)] = 1
+        as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)
+        length_t = as_int32(lengths)
+        self.cache.set_prefill(as_int32(slots), torch.zeros_like(length_t), length_t)
+        hidden = self._forward(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                               position_ids=torch.arange(width, device=self.device)[None].expand(len(prompts), -1))
+        last = hidden[torch.arange(len(prompts), device=self.device), length_t.long() - 1]  # [B, hidden]
+        return self.lm_head(last).float()
+
+    def _decode_graph_body(self, batch: int) -> torch.Tensor:
+        self.cache.set_decode(self.slots[:batch], self.seq_lens[:batch])
+        hidden = self._forward(input_ids=self.input_ids[:batch], position_ids=self.positions[:batch])
+        return self.lm_head(hidden[:, -1])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one decode graph per bucket, largest first, sharing one memory pool."""
+        self.seq_lens.zero_()  # every row inactive while capturing: kernels skip them
+        pool = None
+        for batch in reversed(self.buckets):
+            self._decode_graph_body(batch)  # warm up (Triton compiles, allocator settles)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._decode_graph_body(batch)
+            pool = graph.pool()
+            self.graphs[batch] = (graph, logits)
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One step: token t of row b sits at position positions[b]; returns logits [B, V] (float32)."""
+        batch = len(tokens)
+        bucket = next(b for b in self.buckets if b >= batch)
+        host = torch.tensor([tokens, positions, slots], dtype=torch.long)
+        self.input_ids[:batch, 0].copy_(host[0], non_blocking=True)
+        self.positions[:batch, 0].copy_(host[1], non_blocking=True)
+        self.slots[:batch].copy_(host[2], non_blocking=True)
+        self.seq_lens[:batch].copy_(host[1] + 1, non_blocking=True)
+        self.seq_lens[batch:bucket].zero_()
+        if bucket in self.graphs:
+            graph, logits = self.graphs[bucket]
+            graph.replay()
+            return logits[:batch].float()
+        return self._decode_graph_body(bucket)[:batch].float()

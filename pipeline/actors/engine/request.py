@@ -1,0 +1,100 @@
+"""Requests in, completions out, and the per-sequence state the engine keeps in between."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens: greedy when temperature == 0 (the default)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None, defaults: SamplingParams | None = None) -> SamplingParams:
+        """Per-row overrides on top of `defaults`; unknown keys raise ValueError."""
+        base = dict((defaults or cls()).__dict__)
+        unknown = set(values or {}) - set(base)
+        if unknown:
+            raise ValueError(f"unknown sampling_params keys: {sorted(unknown)}")
+        for key, value in (values or {}).items():
+            if value is not None:
+                base[key] = tuple(value) if key == "stop" else value
+        return cls(**base)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    num_input_tokens: int
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+    ttft_s: float | None = None
+    decode_s: float | None = None
+
+
+@dataclass
+class Sequence:
+    """A request in flight: its slot and pages in the cache, and the tokens made so far."""
+
+    index: int  # position in the caller's request list
+    request: Request
+    max_new_tokens: int
+    seed: int
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    t_first: float | None = None
+    t_done: float | None = None
+
+    @classmethod
+    def start(cls, index: int, request: Request, max_new_tokens: int) -> Sequence:
+        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(31)
+        return cls(index=index, request=request, max_new_tokens=max_new_tokens, seed=seed)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def total_len(self) -> int:
+        """Tokens the sequence will occupy in the cache at most (the last token is never fed back)."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens in the cache after the next decode step stores its input token."""
+        return self.prompt_len + len(self.output)

@@ -1,0 +1,48 @@
+"""Batched token sampling: greedy, temperature, top-k and top-p, reproducible per request seed.
+
+Random draws come from a counter-based hash of (seed, step, token id), so a request's tokens do
+not depend on which other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, vocab] from int64 seeds [B] and steps [B] (xorshift-multiply hash)."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = (seeds[:, None] * 0x9E3779B1 + steps[:, None] * 0x7FEB352D + ids[None, :] * 0x2C1B3C6D) & _MASK32
+    for mult in (0x45D9F3B, 0x119DE1F3):
+        x = ((x ^ (x >> 16)) * mult) & _MASK32
+    x = x ^ (x >> 16)
+    return (x.double() + 0.5) / 2**32
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32; per-row temperature/top_p float [B], top_k/seeds/steps int64 [B] -> tokens [B].
+
+    Rows with temperature 0 are greedy; top_k 0 means no top-k cut.
+    """
+    greedy = logits.argmax(dim=-1)
+    sampled_rows = temperature > 0
+    if not bool(sampled_rows.any()):
+        return greedy
+    rows = sampled_rows.nonzero().squeeze(1)
+    scaled = logits[rows] / temperature[rows, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k[rows] > 0, top_k[rows], vocab)[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
+    keep = (rank < k) & ((before < top_p[rows, None]) | (rank == 0))
+    gumbel = -torch.log(-torch.log(_hash_uniform(seeds[rows], steps[rows], vocab)))
+    scores = torch.where(keep, sorted_logits.double() + gumbel, float("-inf"))
+    picked = order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+    out = greedy.clone()
+    out[rows] = picked
+    return out
