@@ -95,7 +95,8 @@ class LLMEngine:
         plan = plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
                           page_bytes=probe.page_bytes, slot_bytes=probe.slot_bytes,
                           pages_per_seq=storage.pages_for(int(mean_len)) + 0.5, max_batch=cfg.max_batch_size,
-                          min_pages=storage.pages_for(self.max_model_len))
+                          min_pages=storage.pages_for(self.max_model_len),
+                          max_pages_per_slot=max(1, storage.pages_for(self.max_model_len)))
         del probe
         self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                                  max_pages_per_seq=max(1, storage.pages_for(self.max_model_len)),

@@ -33,16 +33,17 @@ def measure_workspace(model, prefill_tokens: int, vocab: int, max_batch: int) ->
 
 
 def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_bytes: int, slot_bytes: int,
-               pages_per_seq: float, max_batch: int, min_pages: int) -> CachePlan:
+               pages_per_seq: float, max_batch: int, min_pages: int, max_pages_per_slot: int) -> CachePlan:
     """Split the bytes left under `limit_bytes` into slots and pages.
 
     Sequences of about `pages_per_seq` pages each decide how many slots are worth having; every
-    byte not spent on slots becomes pages. Raises ValueError if not even one sequence fits.
+    byte not spent on slots becomes pages, up to what the slots could ever hold. Raises ValueError if not even one sequence fits.
     """
     budget = limit_bytes - used_bytes - workspace_bytes
     per_seq = slot_bytes + pages_per_seq * page_bytes
     num_slots = int(max(1, min(max_batch, budget // max(per_seq, 1))))
     num_pages = int((budget - num_slots * slot_bytes) // max(page_bytes, 1))
+    num_pages = min(num_pages, num_slots * max_pages_per_slot)  # more could never be used
     if budget <= 0 or num_pages < min_pages:
         raise ValueError(
             f"the KV cache does not fit: {budget / 2**30:.2f} GiB left for it under a limit of "
