@@ -1,0 +1,1 @@
+"""Job entry points: `python -m jobs.generate` and the `kivi-ray` console script."""

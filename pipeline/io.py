@@ -1,0 +1,186 @@
+"""Input side: find the input, cut it into shards, check its columns before any actor starts, read it.
+
+A shard is the unit of output and of resume:
+- Parquet input: one shard per input file, named after the file's path below the input root
+  (`a/b.parquet` -> `a__b`), so names stay the same when files are added or the job reruns.
+- A Hugging Face dataset saved to disk: blocks of `hf_shard_rows` rows, named `rows-<first>-<last>`.
+Rows reach the driver in input order (Ray Data's preserve_order), so the driver knows each row's
+shard and position by counting.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import JobConfig, template_fields
+
+SAMPLE_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
+OUTPUT_COLUMNS = ("generated_text", "num_input_tokens", "num_generated_tokens", "finish_reason", "error")
+CONSUMED_COLUMNS = ("prompt", "messages", "sampling_params")  # read by the actor, not passed through
+HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str  # output file stem: stable across reruns
+    num_rows: int
+    path: str | None = None  # the parquet file (a filesystem path), None for Hugging Face row blocks
+    start: int = 0  # first row of a Hugging Face block
+
+    def default_id(self, row: int) -> str:
+        """Id of row `row` of this shard when the input has no `id` column."""
+        return str(self.start + row) if self.path is None else f"{self.name}-{row}"
+
+
+@dataclass
+class InputPlan:
+    kind: str  # "parquet" or "hf"
+    shards: list[Shard]
+    schema: pa.Schema
+    source: str  # how the actor builds prompts: "template", "messages" or "prompt"
+    filesystem: Any = None  # fsspec filesystem of the parquet files
+    hf_dataset: Any = None  # datasets.Dataset for kind == "hf"
+
+    @property
+    def has_id(self) -> bool:
+        return "id" in self.schema.names
+
+    def passthrough(self) -> list[str]:
+        return [c for c in self.schema.names if c not in CONSUMED_COLUMNS and c != "id"]
+
+
+def filesystem(url: str, endpoint_url: str | None = None) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a local path or an s3:// URL."""
+    options: dict[str, Any] = {}
+    if url.startswith(("s3://", "s3a://")) and endpoint_url:
+        options["client_kwargs"] = {"endpoint_url": endpoint_url}
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs, path.rstrip("/") or path
+
+
+def storage_options(url: str, endpoint_url: str | None) -> dict[str, Any] | None:
+    if url.startswith(("s3://", "s3a://")) and endpoint_url:
+        return {"client_kwargs": {"endpoint_url": endpoint_url}}
+    return None
+
+
+def plan_input(cfg: JobConfig) -> InputPlan:
+    """Find and check the input; ValueError naming the problem, before Ray or any actor starts."""
+    url = cfg.input or str(SAMPLE_PROMPTS)
+    fs, path = filesystem(url, cfg.s3_endpoint_url)
+    try:
+        is_hf = not _has_glob(path) and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
+    except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: name the path
+        raise ValueError(f"cannot read input {url!r}: {e}") from None
+    plan = _plan_hf(url, cfg) if is_hf else _plan_parquet(fs, path, url)
+    plan.source = prompt_source(plan.schema.names, cfg, url)
+    return plan
+
+
+def prompt_source(columns: list[str], cfg: JobConfig, url: str) -> str:
+    """Which columns make the prompt; ValueError naming what is missing or colliding."""
+    clash = sorted(set(columns) & set(OUTPUT_COLUMNS))
+    if clash:
+        raise ValueError(f"input {url!r} has columns {clash} that the output would overwrite: rename them")
+    if cfg.prompt_template is not None:
+        missing = [c for c in template_fields(cfg.prompt_template) if c not in columns]
+        if missing:
+            raise ValueError(f"prompt_template needs columns {missing} that input {url!r} lacks (has {columns})")
+        return "template"
+    for source in ("messages", "prompt"):
+        if source in columns:
+            return source
+    raise ValueError(
+        f"input {url!r} has no 'prompt' or 'messages' column (columns: {columns}); add one or pass --prompt-template"
+    )
+
+
+def _has_glob(path: str) -> bool:
+    return any(ch in path for ch in GLOB_CHARS)
+
+
+def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
+    files, root = _list_parquet(fs, path, url)
+    with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
+        metas = list(pool.map(lambda f: _footer(fs, f), files))
+    schema = metas[0][0]
+    for f, (s, _) in zip(files, metas, strict=True):
+        if set(s.names) != set(schema.names):
+            raise ValueError(f"input file {f!r} has columns {s.names}, but {files[0]!r} has {schema.names}")
+    names = [_shard_name(f, root) for f in files]
+    shards = [Shard(n, rows, path=f) for n, f, (_, rows) in zip(names, files, metas, strict=True)]
+    return InputPlan("parquet", shards, schema, source="", filesystem=fs)
+
+
+def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:
+    """Parquet files (sorted) and the root their shard names are relative to."""
+    if _has_glob(path):
+        files, root = fs.glob(path), path[: min(path.find(c) for c in GLOB_CHARS if c in path)]
+        root = root.rsplit("/", 1)[0]
+    elif fs.isdir(path):
+        files, root = fs.find(path), path
+    elif fs.isfile(path):
+        files, root = [path], posixpath.dirname(path)
+    else:
+        raise ValueError(f"input {url!r} not found")
+    rel = lambda f: f[len(root) :].lstrip("/")
+    files = sorted(
+        f for f in files if f.endswith(".parquet") and not any(p.startswith((".", "_")) for p in rel(f).split("/"))
+    )
+    if not files:
+        raise ValueError(f"input {url!r} holds no .parquet files")
+    return files, root
+
+
+def _footer(fs: Any, file: str) -> tuple[pa.Schema, int]:
+    try:
+        with fs.open(file, "rb") as f:
+            pf = pq.ParquetFile(f)
+            return pf.schema_arrow, pf.metadata.num_rows
+    except Exception as e:  # noqa: BLE001 - any reader failure: name the file
+        raise ValueError(f"cannot read parquet file {file!r}: {e}") from None
+
+
+def _shard_name(file: str, root: str) -> str:
+    rel = file[len(root) :].lstrip("/") if root and file.startswith(root) else posixpath.basename(file)
+    return rel.removesuffix(".parquet").replace("/", "__")
+
+
+def _plan_hf(url: str, cfg: JobConfig) -> InputPlan:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(url, storage_options=storage_options(url, cfg.s3_endpoint_url))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot load Hugging Face dataset {url!r}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds)
+        if cfg.split is None and len(splits) != 1:
+            raise ValueError(f"dataset {url!r} has splits {splits}: pick one with --split")
+        split = cfg.split or splits[0]
+        if split not in ds:
+            raise ValueError(f"dataset {url!r} has no split {split!r} (splits: {splits})")
+        ds = ds[split]
+    n, size = len(ds), cfg.hf_shard_rows
+    shards = [Shard(f"rows-{s:09d}-{min(s + size, n) - 1:09d}", min(size, n - s), start=s) for s in range(0, n, size)]
+    return InputPlan("hf", shards, ds.data.schema, source="", hf_dataset=ds)
+
+
+def read_dataset(plan: InputPlan, shards: list[Shard]):
+    """A Ray dataset of the given shards' rows, in shard order (the driver relies on it)."""
+    import ray.data
+
+    if plan.kind == "parquet":
+        return ray.data.read_parquet([s.path for s in shards], filesystem=plan.filesystem)
+    indices = [i for s in shards for i in range(s.start, s.start + s.num_rows)]
+    subset = plan.hf_dataset if len(indices) == len(plan.hf_dataset) else plan.hf_dataset.select(indices)
+    return ray.data.from_huggingface(subset)

@@ -1,0 +1,144 @@
+"""One generation job: check everything, then read -> map_batches(actor pool) -> per-shard writes."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import stats
+from pipeline.actors.actor import GenerateActor, model_location
+from pipeline.config import JobConfig
+from pipeline.io import InputPlan, Shard, plan_input, read_dataset
+from pipeline.sink import STATS_DIR, OutputStore, ShardAssembler
+
+log = logging.getLogger("kivi_ray")
+
+
+def run(job: JobConfig) -> dict[str, Any]:
+    """Run the job; returns the summary. ValueError (before Ray starts) for bad input or settings."""
+    start = time.perf_counter()
+    plan = plan_input(job)
+    check_model(job)
+    store = OutputStore(job.output, job.s3_endpoint_url)
+    store.prepare()
+    done = set() if job.overwrite else store.completed()
+    todo = [s for s in plan.shards if s.name not in done]
+    log.info(
+        "input %s: %d shards, %d rows (%s prompts); %d shards already complete in %s, %d to do",
+        job.input or "<sample prompts>",
+        len(plan.shards),
+        sum(s.num_rows for s in plan.shards),
+        plan.source,
+        len(plan.shards) - len(todo),
+        job.output,
+        len(todo),
+    )
+    assembler = ShardAssembler(plan, todo, store, job_info(job))
+    if any(s.num_rows for s in todo):
+        _generate(job, plan, [s for s in todo if s.num_rows], assembler)
+    assembler.finish()
+    summary = stats.summarize(
+        assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo)
+    )
+    log.info("%s", stats.format_summary(summary))
+    summary_path = f"{store.root}/{STATS_DIR}/summary.json"
+    store.write_text(summary_path, stats.summary_json(summary, job.to_dict()))
+    log.info("wrote %d shards to %s (summary: %s)", assembler.shards_written, job.output, summary_path)
+    return summary
+
+
+def check_model(job: JobConfig) -> None:
+    """A local model folder must exist and hold the GGUF file; a hub id is left to the loader."""
+    model, gguf_file = model_location(job)
+    if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
+        raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
+    if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):
+        raise ValueError(f"model folder {model!r} not found")
+
+
+def job_info(job: JobConfig) -> dict[str, Any]:
+    """The job-level columns of every stats row."""
+    model, gguf_file = model_location(job)
+    return {
+        "kv_bits": job.kv_bits if job.kivi else 16,
+        "group_size": job.group_size if job.kivi else None,
+        "residual_length": job.residual_length if job.kivi else None,
+        "model": os.path.join(model, gguf_file) if gguf_file else model,
+    }
+
+
+def init_ray() -> None:
+    """Join the cluster (inside a job or with RAY_ADDRESS set), or start an embedded local Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(log_to_driver=True)
+
+
+def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: ShardAssembler) -> None:
+    import ray
+    import ray.data
+
+    init_ray()
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # the assembler counts rows
+    total = sum(s.num_rows for s in shards)
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    size = min(job.actors or gpus or 1, math.ceil(total / job.batch_size))
+    resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, job.batch_size)
+    ds = read_dataset(plan, shards).map_batches(
+        GenerateActor,
+        fn_constructor_kwargs={"job": job.to_dict(), "source": plan.source},
+        compute=ray.data.ActorPoolStrategy(size=size),
+        batch_size=job.batch_size,
+        batch_format="pyarrow",
+        **resources,
+    )
+    with Progress(total, job.log_interval_s) as progress:
+        assembler.on_row_batch = progress.add
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            assembler.add(batch)
+
+
+class Progress:
+    """Logs rows done and output tokens/s every `interval` seconds from a background thread."""
+
+    def __init__(self, total: int, interval: float):
+        self.total, self.interval = total, interval
+        self.rows = self.tokens = 0
+        self.start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kivi-ray-progress", daemon=True)
+
+    def add(self, batch: pa.Table) -> None:
+        self.rows += batch.num_rows
+        self.tokens += pc.sum(batch["num_generated_tokens"]).as_py() or 0
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        pct = 100.0 * self.rows / self.total if self.total else 100.0
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        return (
+            f"progress: {self.rows}/{self.total} rows ({pct:.1f}%), {self.tokens} tokens generated, "
+            f"{rate:.1f} output tokens/s, {elapsed:.0f} s elapsed"
+        )
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            log.info("%s", self.line())
+
+    def __enter__(self) -> Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        log.info("%s", self.line())

@@ -1,0 +1,127 @@
+"""Output side: per-shard Parquet files written whole (temp name, then rename), stats beside them.
+
+Layout under the output root:
+    <shard>.parquet            the shard's output rows, in input order
+    _stats/<shard>.parquet     its stats rows (one per actor that worked on it)
+    _stats/summary.json        the last run's summary
+A shard is complete when `<shard>.parquet` exists: it appears only once fully written, and its
+stats are written before it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import stats
+from pipeline.io import OUTPUT_COLUMNS, InputPlan, Shard, filesystem
+
+STATS_DIR = "_stats"
+
+
+class OutputStore:
+    def __init__(self, url: str, endpoint_url: str | None = None):
+        self.url = url
+        self.fs, self.root = filesystem(url, endpoint_url)
+
+    def prepare(self) -> None:
+        try:
+            self.fs.makedirs(posixpath.join(self.root, STATS_DIR), exist_ok=True)
+        except Exception as e:  # noqa: BLE001 - permissions, missing bucket: name the output
+            raise ValueError(f"cannot create output {self.url!r}: {e}") from None
+
+    def completed(self) -> set[str]:
+        """Names of shards whose output file exists (was renamed into place whole)."""
+        self.fs.invalidate_cache()
+        try:
+            names = [posixpath.basename(p) for p in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return set()
+        return {n.removesuffix(".parquet") for n in names if n.endswith(".parquet")}
+
+    def shard_path(self, name: str) -> str:
+        return posixpath.join(self.root, f"{name}.parquet")
+
+    def stats_path(self, name: str) -> str:
+        return posixpath.join(self.root, STATS_DIR, f"{name}.parquet")
+
+    def write_table(self, path: str, table: pa.Table) -> None:
+        """Write to a temp name in the same folder, then rename: readers never see a partial file."""
+        tmp = posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
+        with self.fs.open(tmp, "wb") as f:
+            pq.write_table(table, f)
+        self.fs.mv(tmp, path)
+
+    def write_text(self, path: str, text: str) -> None:
+        with self.fs.open(path, "w") as f:
+            f.write(text)
+
+
+class ShardAssembler:
+    """Collects output batches (arriving in input order) into shards and writes each when it is whole."""
+
+    def __init__(
+        self,
+        plan: InputPlan,
+        shards: list[Shard],
+        store: OutputStore,
+        job_info: dict[str, Any],
+        on_row_batch: Callable[[pa.Table], None] = lambda t: None,
+    ):
+        self.plan, self.store, self.job_info, self.on_row_batch = plan, store, job_info, on_row_batch
+        self.pending = list(shards)
+        self.parts: list[pa.Table] = []
+        self.rows_in_parts = 0
+        self.stats_rows: list[dict[str, Any]] = []
+        self.ttfts_ms: list[float] = []
+        self.shards_written = 0
+        self._flush_complete()
+
+    def add(self, batch: pa.Table) -> None:
+        self.on_row_batch(batch)
+        while batch.num_rows:
+            if not self.pending:
+                raise RuntimeError(f"{batch.num_rows} output rows beyond the last shard: rows were duplicated")
+            take = min(batch.num_rows, self.pending[0].num_rows - self.rows_in_parts)
+            self.parts.append(batch.slice(0, take))
+            self.rows_in_parts += take
+            batch = batch.slice(take)
+            self._flush_complete()
+
+    def finish(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"input ended with {len(self.pending)} shards incomplete: rows were lost")
+
+    def _flush_complete(self) -> None:
+        """Write every leading shard whose rows are all in (and empty shards)."""
+        while self.pending and self.rows_in_parts == self.pending[0].num_rows:
+            self._write(self.pending.pop(0))
+            self.parts, self.rows_in_parts = [], 0
+
+    def _write(self, shard: Shard) -> None:
+        table = pa.concat_tables(self.parts, promote_options="permissive") if self.parts else None
+        if table is None or table.num_rows == 0:
+            table = pa.table({c: pa.array([], pa.string()) for c in ("id", *OUTPUT_COLUMNS)})
+            rows: list[dict[str, Any]] = []
+        else:
+            rows = stats.shard_stats(shard.name, table, self.job_info)
+            self.ttfts_ms += [t * 1e3 for t in table[stats.hidden("ttft_s")].to_pylist() if t is not None]
+            table = self._output_table(shard, stats.strip_hidden(table))
+        self.store.write_table(self.store.stats_path(shard.name), stats.stats_table(rows))
+        self.store.write_table(self.store.shard_path(shard.name), table)
+        self.stats_rows += rows
+        self.shards_written += 1
+
+    def _output_table(self, shard: Shard, table: pa.Table) -> pa.Table:
+        """Columns in order: id, passthrough, generated."""
+        if self.plan.has_id:
+            ids = table["id"]
+        else:
+            ids = pa.array([shard.default_id(i) for i in range(table.num_rows)], pa.string())
+        order = [c for c in self.plan.passthrough() if c in table.column_names] + list(OUTPUT_COLUMNS)
+        return pa.table([ids, *(table[c] for c in order)], names=["id", *order])

@@ -1,0 +1,147 @@
+"""Per-shard stats rows (one per shard and actor) and the job summary.
+
+The actor tags every output row with hidden columns (HIDDEN, dropped before the output is written):
+which actor made it, its time to first token, its share of the batch's wall time, and the engine's
+peak memory and KV-cache bytes for that batch. The driver folds a finished shard's rows into stats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+PREFIX = "_kivi_ray_"
+HIDDEN = {
+    "actor_id": pa.string(),
+    "ttft_s": pa.float64(),
+    "elapsed_share_s": pa.float64(),
+    "max_allocated_mb": pa.float64(),
+    "kv_cache_bytes": pa.int64(),
+    "kv_cache_bytes_bf16": pa.int64(),
+    "device_name": pa.string(),
+}
+STATS_SCHEMA = pa.schema(
+    [
+        ("shard", pa.string()),
+        ("num_requests", pa.int64()),
+        ("num_failed", pa.int64()),
+        ("total_input_tokens", pa.int64()),
+        ("total_output_tokens", pa.int64()),
+        ("elapsed_time_s", pa.float64()),
+        ("output_tokens_per_second", pa.float64()),
+        ("mean_ttft_ms", pa.float64()),
+        ("p99_ttft_ms", pa.float64()),
+        ("max_allocated_mb", pa.float64()),
+        ("kv_cache_bytes", pa.int64()),
+        ("kv_cache_bytes_bf16", pa.int64()),
+        ("kv_bits", pa.int64()),
+        ("group_size", pa.int64()),
+        ("residual_length", pa.int64()),
+        ("model", pa.string()),
+        ("device_name", pa.string()),
+        ("actor_id", pa.string()),
+    ]
+)
+
+
+def hidden(name: str) -> str:
+    return PREFIX + name
+
+
+def hidden_columns(num_rows: int, values: dict[str, Any]) -> dict[str, pa.Array]:
+    """The hidden columns of one batch: per-row lists or one value broadcast to every row."""
+    out = {}
+    for name, typ in HIDDEN.items():
+        v = values[name]
+        out[hidden(name)] = pa.array(v if isinstance(v, list) else [v] * num_rows, type=typ)
+    return out
+
+
+def strip_hidden(table: pa.Table) -> pa.Table:
+    return table.drop_columns([c for c in table.column_names if c.startswith(PREFIX)])
+
+
+def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """One stats row per actor that worked on this shard. `job`: kv_bits, group_size, residual_length, model."""
+    cols = table.select(["num_input_tokens", "num_generated_tokens", "finish_reason"] + list(map(hidden, HIDDEN)))
+    d = cols.to_pydict()
+    rows = []
+    for actor in sorted(set(d[hidden("actor_id")])):
+        idx = [i for i, a in enumerate(d[hidden("actor_id")]) if a == actor]
+        pick = lambda col: [d[col][i] for i in idx]  # noqa: B023 - used at once
+        out_tokens = sum(pick("num_generated_tokens"))
+        elapsed = float(sum(pick(hidden("elapsed_share_s"))))
+        ttft_ms = [t * 1e3 for t in pick(hidden("ttft_s")) if t is not None]
+        rows.append(
+            {
+                "shard": shard,
+                "num_requests": len(idx),
+                "num_failed": sum(r == "error" for r in pick("finish_reason")),
+                "total_input_tokens": sum(pick("num_input_tokens")),
+                "total_output_tokens": out_tokens,
+                "elapsed_time_s": elapsed,
+                "output_tokens_per_second": out_tokens / elapsed if elapsed > 0 else 0.0,
+                "mean_ttft_ms": float(np.mean(ttft_ms)) if ttft_ms else None,
+                "p99_ttft_ms": float(np.percentile(ttft_ms, 99)) if ttft_ms else None,
+                "max_allocated_mb": max(pick(hidden("max_allocated_mb"))),
+                "kv_cache_bytes": max(pick(hidden("kv_cache_bytes"))),
+                "kv_cache_bytes_bf16": max(pick(hidden("kv_cache_bytes_bf16"))),
+                "device_name": pick(hidden("device_name"))[0],
+                "actor_id": actor,
+                **job,
+            }
+        )
+    return rows
+
+
+def stats_table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
+
+
+def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, shards_skipped: int) -> dict[str, Any]:
+    """Totals of this run over its stats rows; wall_s is the driver's time from start to last write."""
+    out_tokens = sum(r["total_output_tokens"] for r in rows)
+    kv = max((r["kv_cache_bytes"] for r in rows), default=0)
+    kv_bf16 = max((r["kv_cache_bytes_bf16"] for r in rows), default=0)
+    return {
+        "shards_done": len({r["shard"] for r in rows}),
+        "shards_skipped": shards_skipped,
+        "actors": len({r["actor_id"] for r in rows}),
+        "num_requests": sum(r["num_requests"] for r in rows),
+        "num_failed": sum(r["num_failed"] for r in rows),
+        "total_input_tokens": sum(r["total_input_tokens"] for r in rows),
+        "total_output_tokens": out_tokens,
+        "wall_time_s": round(wall_s, 3),
+        "output_tokens_per_second": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "mean_ttft_ms": float(np.mean(ttfts_ms)) if ttfts_ms else None,
+        "p99_ttft_ms": float(np.percentile(ttfts_ms, 99)) if ttfts_ms else None,
+        "max_allocated_mb": max((r["max_allocated_mb"] for r in rows), default=0.0),
+        "kv_cache_bytes": kv,
+        "kv_cache_bytes_bf16": kv_bf16,
+        "kv_cache_ratio": kv / kv_bf16 if kv_bf16 else None,
+        "device_names": sorted({r["device_name"] for r in rows}),
+        "model": rows[0]["model"] if rows else None,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A two-column table for the job log."""
+    lines = []
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = "-" if math.isnan(value) else f"{value:,.3f}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        elif value is None:
+            value = "-"
+        lines.append(f"{key:<26} {value}")
+    rule = "-" * max(len(line) for line in lines)
+    return "\n".join(["job summary", rule, *lines, rule])
+
+
+def summary_json(summary: dict[str, Any], job: dict[str, Any]) -> str:
+    return json.dumps({"summary": summary, "job": job}, indent=2, default=str)
