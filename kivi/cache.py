@@ -23,9 +23,11 @@ from kivi.storage import BatchMeta, QuantizedStorage
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(kivi: KiviConfig, device: torch.device) -> KiviConfig:
-    """Fall back to the reference backend where Triton cannot run (CPU without the interpreter)."""
-    if kivi.backend == "triton" and not kernels.triton_usable(device.type):
+def resolve_backend(kivi: KiviConfig, device: torch.device, allow_interpreter: bool = True) -> KiviConfig:
+    """Fall back to the reference backend where Triton cannot run (a CPU, unless the Triton
+    interpreter is on and allowed: it is a test tool, far too slow for real runs)."""
+    usable = kernels.triton_usable(device.type) and (device.type == "cuda" or allow_interpreter)
+    if kivi.backend == "triton" and not usable:
         log.info("Triton cannot run on %s here: using the reference kernels", device)
         return replace(kivi, backend="reference")
     return kivi

@@ -72,9 +72,9 @@ class LLMEngine:
     def _storage(self):
         kivi = self.config.kivi
         if kivi is None:
-            backend = "triton" if kernels.triton_usable(self.device.type) else "reference"
+            backend = "triton" if self.device.type == "cuda" else "reference"
             return FullStorage(self.config.page_size, kernels.get_ops(backend))
-        kivi = resolve_backend(kivi, self.device)
+        kivi = resolve_backend(kivi, self.device, allow_interpreter=False)
         return QuantizedStorage(kivi, kernels.get_ops(kivi.backend))
 
     def _build(self, seqs: list[Sequence]) -> None:

@@ -1,0 +1,188 @@
+"""KiviCache as a drop-in transformers cache, on tiny random Llama, Mistral, Qwen2 and Qwen3 models.
+
+The strongest check: KIVI logits equal those of a full-precision cache whose older tokens are
+replaced by their quantize-dequantize round trip (a simulation built on kernels/packing.py), so
+the cache implements exactly KIVI's placement of groups, residual and flushes. KIVI's distance
+from full precision is then only what that round trip explains.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.models.llama import LlamaConfig
+from transformers.models.mistral import MistralConfig
+from transformers.models.qwen2 import Qwen2Config
+from transformers.models.qwen3 import Qwen3Config
+
+import kivi
+from kernels.packing import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+SMALL = dict(vocab_size=97, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=6, max_position_embeddings=2048)
+CONFIGS = {
+    "llama-gqa3": lambda: LlamaConfig(num_key_value_heads=2, head_dim=32, **SMALL),
+    "mistral-gqa2": lambda: MistralConfig(num_key_value_heads=3, head_dim=32, sliding_window=None, **SMALL),
+    "qwen2-mha": lambda: Qwen2Config(num_key_value_heads=6, **{**SMALL, "hidden_size": 192}),
+    "qwen3-gqa6": lambda: Qwen3Config(num_key_value_heads=1, head_dim=64, **SMALL),
+}
+# small R and G so a few dozen tokens cross several flushes
+SMALL_KIVI = dict(group_size=16, residual_length=32, page_size=32, backend="reference")
+
+
+def make_model(name: str, dtype=torch.float32, attn="kivi"):
+    torch.manual_seed(hash(name) % 2**31)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation=attn, dtype=dtype)
+    return model.eval()
+
+
+class FakeQuantCache(DynamicCache):
+    """Full-precision cache that shows attention KIVI's view: at decode, tokens [0, nq) quantized."""
+
+    def __init__(self, config, kivi_config: kivi.KiviConfig):
+        super().__init__(config=config)
+        self.kc = kivi_config
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if key_states.shape[2] != 1:  # prefill attends in full precision
+            return keys, values
+        kc, nq = self.kc, self.kc.quantized_length(keys.shape[2])
+        k_hat = dequantize_keys(*quantize_keys(keys[:, :, :nq], kc.k_bits, kc.group_size), kc.k_bits, kc.group_size)
+        v_hat = dequantize_values(*quantize_values(values[:, :, :nq], kc.v_bits, kc.group_size),
+                                  kc.v_bits, kc.group_size)
+        return (torch.cat([k_hat.to(keys.dtype), keys[:, :, nq:]], 2),
+                torch.cat([v_hat.to(values.dtype), values[:, :, nq:]], 2))
+
+
+def cache_kwarg(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def teacher_forced_logits(model, cache, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Prefill ids[:, :prompt_len], then feed the rest one token at a time: logits [B, steps, V]."""
+    kw = {cache_kwarg(model): cache, "use_cache": True}
+    out = [model(input_ids=ids[:, :prompt_len], **kw).logits[:, -1]]
+    for t in range(prompt_len, ids.shape[1]):
+        out.append(model(input_ids=ids[:, t : t + 1], **kw).logits[:, -1])
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("bits", [(2, 2), (4, 2)], ids=["k2v2", "k4v2"])
+def test_logits_match_quantization_simulation(name, bits):
+    model = make_model(name)
+    kc = kivi.KiviConfig(k_bits=bits[0], v_bits=bits[1], **SMALL_KIVI)
+    ids = torch.randint(0, 97, (2, 90))
+    with torch.no_grad():
+        got = teacher_forced_logits(model, kivi.KiviCache(model.config, kc), ids, prompt_len=45)
+        sim = teacher_forced_logits(model, FakeQuantCache(model.config, kc), ids, prompt_len=45)
+        full = teacher_forced_logits(model, DynamicCache(config=model.config), ids, prompt_len=45)
+    sim_err = (got - sim).abs().max().item()
+    quant_err = (full - sim).abs().max().item()
+    print(f"{name} k{bits[0]}v{bits[1]}: |kivi - simulation| {sim_err:.2e}, |full - simulation| {quant_err:.2e}")
+    assert sim_err < 1e-4  # fp32 rounding only
+    assert quant_err > 100 * sim_err  # quantization really happened and is what separates us from full precision
+
+
+@pytest.mark.parametrize("name", ["llama-gqa3", "qwen3-gqa6"])
+def test_short_prompts_equal_full_precision_generate(name):
+    """Below R nothing is quantized: greedy and seeded sampling equal the default cache exactly."""
+    model = make_model(name)
+    ids = torch.randint(1, 97, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    for sample in (False, True):
+        outs = []
+        for cache in (kivi.KiviCache(model.config, kivi.KiviConfig(backend="reference")),
+                      DynamicCache(config=model.config)):
+            torch.manual_seed(7)
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=sample,
+                                       top_k=20, pad_token_id=0, **{cache_kwarg(model): cache}))
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_left_padding_never_enters_a_group():
+    """A row of a left-padded batch gives the same logits as the same sequence alone."""
+    model = make_model("llama-gqa3")
+    kc = kivi.KiviConfig(**SMALL_KIVI)
+    lengths = [70, 53, 38]
+    seqs = [torch.randint(1, 97, (n,)) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(seqs):
+        ids[row, width - len(s):] = s
+        mask[row, width - len(s):] = 1
+    kw = dict(max_new_tokens=25, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cache = kivi.KiviCache(model.config, kc)
+        batched = model.generate(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache}, **kw)
+        assert cache.lengths == [n + 24 for n in lengths]
+        for row, s in enumerate(seqs):
+            alone = model.generate(input_ids=s[None], **{cache_kwarg(model): kivi.KiviCache(model.config, kc)}, **kw)
+            diff = max((a[row] - b[0]).abs().max().item() for a, b in zip(batched.logits, alone.logits, strict=True))
+            assert diff < 1e-4, f"row {row}: logits differ by {diff}"
+
+
+def test_triton_backend_matches_reference_in_model():
+    """The whole model on the Triton kernels (interpreter on a CPU) against the reference kernels."""
+    model = make_model("llama-gqa3")
+    ids = torch.randint(0, 97, (2, 48))
+    logits = []
+    for backend in ("triton", "reference"):
+        kc = kivi.KiviConfig(**{**SMALL_KIVI, "backend": backend})
+        with torch.no_grad():
+            logits.append(teacher_forced_logits(model, kivi.KiviCache(model.config, kc), ids, prompt_len=30))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
+
+
+def test_cache_is_under_22_percent_of_bf16_at_4096_tokens():
+    model = make_model("llama-gqa3", dtype=torch.bfloat16)
+    cache = kivi.KiviCache(model.config, kivi.KiviConfig(backend="reference"))
+    ids = torch.randint(0, 97, (1, 4095))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        model(input_ids=ids[:, :1], use_cache=True, **{cache_kwarg(model): cache})  # one decode step: 4096
+    assert cache.lengths == [4096]
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.tensors.values())
+    assert held == cache.nbytes()
+    ratio = cache.nbytes() / cache.nbytes_bf16()
+    print(f"4096 tokens: {cache.nbytes()} bytes, {ratio:.3f} of bf16")
+    assert ratio <= 0.22
+    layer = cache.layers[0].tensors
+    assert layer["k_codes"].dtype == torch.int32 and layer["k_codes"].shape[0] == 31  # 3968 tokens / 128
+
+
+@pytest.mark.parametrize("bad", [dict(k_bits=3), dict(v_bits=8), dict(group_size=24), dict(residual_length=100),
+                                 dict(page_size=48), dict(backend="cuda")])
+def test_config_rejects_bad_values(bad):
+    key = next(iter(bad))
+    with pytest.raises(ValueError, match=key):
+        kivi.KiviConfig(**bad)
+
+
+def test_unsupported_models_raise_naming_the_type():
+    from transformers import GPT2Config, Qwen2Config
+
+    with pytest.raises(ValueError, match="gpt2"):
+        kivi.KiviCache(GPT2Config(n_layer=1))
+    sliding = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding"):
+        kivi.KiviCache(sliding)
+
+
+def test_head_dim_must_split_into_groups():
+    model = make_model("llama-gqa3")
+    cache = kivi.KiviCache(model.config, kivi.KiviConfig(group_size=64, residual_length=64, page_size=64,
+                                                         backend="reference"))
+    with pytest.raises(ValueError, match="head_dim=32"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=True, **{cache_kwarg(model): cache})
