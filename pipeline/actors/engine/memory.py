@@ -37,7 +37,8 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
     """Split the bytes left under `limit_bytes` into slots and pages.
 
     Sequences of about `pages_per_seq` pages each decide how many slots are worth having; every
-    byte not spent on slots becomes pages, up to what the slots could ever hold. Raises ValueError if not even one sequence fits.
+    byte not spent on slots becomes pages, up to what the slots could ever hold.
+    Raises ValueError if not even one sequence fits.
     """
     budget = limit_bytes - used_bytes - workspace_bytes
     per_seq = slot_bytes + pages_per_seq * page_bytes
