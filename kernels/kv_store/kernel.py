@@ -1,0 +1,212 @@
+"""Triton kernels that store K/V into the KIVI cache (ops 1 and 2 of docs/design.md).
+
+Only @triton.jit code lives here; shapes, dtypes and strides are checked by ops.py. All math is fp32
+(the interpreter gets bf16 arithmetic wrong, so tiles are cast right after loading). Codes follow
+kernels/packing.py bit for bit: scale and zero are rounded to the cache dtype first, codes are computed
+from the stored values with IEEE division (div_rn), and the launcher disables FMA contraction so
+(x - zero) * inv + 0.5 rounds like the PyTorch reference.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    """fp32 min/max -> (scale, zero) in the cache dtype and inv = 1/scale (0 where scale == 0), fp32."""
+    scale = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(CACHE_DTYPE)
+    zero = mn.to(CACHE_DTYPE)
+    scale_f = scale.to(tl.float32)
+    safe = tl.where(scale_f > 0, scale_f, 1.0)
+    inv = tl.where(scale_f > 0, tl.math.div_rn(tl.full(mn.shape, 1.0, tl.float32), safe), 0.0)
+    return scale, zero, inv
+
+
+@triton.jit
+def _codes(x, zero, inv, QMAX: tl.constexpr):
+    """clamp(floor((x - zero) * inv + 0.5), 0, QMAX) as int32; zero/inv broadcast against x."""
+    q = tl.floor((x - zero.to(tl.float32)) * inv + 0.5)
+    return tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
+
+
+@triton.jit
+def _store_key_group(
+    x, codes_ptr, scale_ptr, zero_ptr, stride_kc_w, offs_d, mask_d,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """x: [GROUP tokens, BLOCK_D] fp32 -> GROUP * BITS / 32 packed words per channel, 1 scale/zero per channel.
+
+    codes_ptr points at word 0 of the group, scale_ptr/zero_ptr at the group's [D] row.
+    """
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    PER_WORD: tl.constexpr = 32 // BITS
+    # stage 1: per-channel statistics over the GROUP tokens
+    mn = tl.min(x, axis=0)
+    mx = tl.max(x, axis=0)
+    scale, zero, inv = _scale_zero_inv(mn, mx, QMAX, scale_ptr.dtype.element_ty)
+    # stage 2: codes, packed along tokens (token w * PER_WORD + i -> bits [i * BITS, (i + 1) * BITS) of word w)
+    codes = _codes(x, zero[None, :], inv[None, :], QMAX)
+    codes = tl.reshape(codes, (GROUP // PER_WORD, PER_WORD, BLOCK_D))
+    shifts = tl.arange(0, PER_WORD) * BITS
+    words = tl.reduce(codes << shifts[None, :, None], 1, _bit_or)  # [GROUP // PER_WORD, BLOCK_D] int32
+    # stage 3: store words and the per-channel scale/zero
+    offs_w = tl.arange(0, GROUP // PER_WORD)
+    tl.store(codes_ptr + offs_w[:, None] * stride_kc_w + offs_d[None, :], words, mask=mask_d[None, :])
+    tl.store(scale_ptr + offs_d, scale, mask=mask_d)
+    tl.store(zero_ptr + offs_d, zero, mask=mask_d)
+
+
+@triton.jit
+def _store_value_group(
+    x, codes_ptr, scale_ptr, zero_ptr, stride_vc_t, stride_vs_t, D,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """x: [GROUP tokens, BLOCK_D] fp32 -> per token D * BITS / 32 words and D / GROUP scale/zero.
+
+    codes_ptr / scale_ptr / zero_ptr point at the group's first token row.
+    """
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    PER_WORD: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = BLOCK_D // GROUP
+    # stage 1: per-token statistics over groups of GROUP channels
+    xg = tl.reshape(x, (GROUP, NG, GROUP))
+    mn = tl.min(xg, axis=2)
+    mx = tl.max(xg, axis=2)
+    scale, zero, inv = _scale_zero_inv(mn, mx, QMAX, scale_ptr.dtype.element_ty)  # [GROUP, NG]
+    # stage 2: codes, packed along channels
+    codes = _codes(xg, zero[:, :, None], inv[:, :, None], QMAX)
+    codes = tl.reshape(codes, (GROUP, BLOCK_D // PER_WORD, PER_WORD))
+    shifts = tl.arange(0, PER_WORD) * BITS
+    words = tl.reduce(codes << shifts[None, None, :], 2, _bit_or)  # [GROUP, BLOCK_D // PER_WORD] int32
+    # stage 3: store words and the per-group scale/zero (padded channels beyond D are masked)
+    offs_t = tl.arange(0, GROUP)
+    offs_w = tl.arange(0, BLOCK_D // PER_WORD)
+    offs_g = tl.arange(0, NG)
+    mask_w = offs_w[None, :] < D // PER_WORD
+    mask_g = offs_g[None, :] < D // GROUP
+    tl.store(codes_ptr + offs_t[:, None] * stride_vc_t + offs_w[None, :], words, mask=mask_w)
+    tl.store(scale_ptr + offs_t[:, None] * stride_vs_t + offs_g[None, :], scale, mask=mask_g)
+    tl.store(zero_ptr + offs_t[:, None] * stride_vs_t + offs_g[None, :], zero, mask=mask_g)
+
+
+@triton.jit
+def _store_group(
+    k, v, page, g, h,
+    k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+    stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+    stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+    offs_d, mask_d, D,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Quantize one group (k, v: [GROUP, BLOCK_D] fp32) into group g of page `page`, head h."""
+    KW: tl.constexpr = GROUP * K_BITS // 32  # key words per group
+    kc = k_codes_ptr + page * stride_kc_n + h * stride_kc_h + g * KW * stride_kc_w
+    ks = page * stride_ks_n + h * stride_ks_h + g * stride_ks_g
+    _store_key_group(k, kc, k_scale_ptr + ks, k_zero_ptr + ks, stride_kc_w, offs_d, mask_d,
+                     K_BITS, GROUP, BLOCK_D)
+    vc = v_codes_ptr + page * stride_vc_n + h * stride_vc_h + g * GROUP * stride_vc_t
+    vs = page * stride_vs_n + h * stride_vs_h + g * GROUP * stride_vs_t
+    _store_value_group(v, vc, v_scale_ptr + vs, v_zero_ptr + vs, stride_vc_t, stride_vs_t, D,
+                       V_BITS, GROUP, BLOCK_D)
+
+
+@triton.jit
+def store_prefill_kernel(
+    key_ptr, value_ptr, starts_ptr, lengths_ptr, slots_ptr, block_table_ptr,
+    k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr, k_res_ptr, v_res_ptr,
+    D,
+    stride_key_b, stride_key_h, stride_key_t, stride_value_b, stride_value_h, stride_value_t,
+    stride_bt_s,
+    stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+    stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+    stride_res_s, stride_res_h, stride_res_t,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, RESIDUAL: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (B, H, cdiv(T, GROUP)): program (b, h, j) stores tokens [j * GROUP, (j + 1) * GROUP) of row b."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(2).to(tl.int64)
+    # stage 1: row state; nq = GROUP * ceil(max(0, L - RESIDUAL) / GROUP) tokens go to pages
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    length = tl.load(lengths_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    nq = tl.cdiv(tl.maximum(length - RESIDUAL, 0), GROUP) * GROUP
+    t0 = j * GROUP
+    offs_t = tl.arange(0, GROUP)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    rows = start + t0 + offs_t  # input positions of the group's tokens
+    k_rows = key_ptr + b * stride_key_b + h * stride_key_h + rows[:, None] * stride_key_t + offs_d[None, :]
+    v_rows = value_ptr + b * stride_value_b + h * stride_value_h + rows[:, None] * stride_value_t
+    v_rows += offs_d[None, :]
+    if t0 < nq:
+        # stage 2a: a whole group below nq -> quantize into group (t0 % PAGE) / GROUP of its page
+        k = tl.load(k_rows, mask=mask_d[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_rows, mask=mask_d[None, :], other=0.0).to(tl.float32)
+        page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
+        _store_group(k, v, page, (t0 % PAGE) // GROUP, h,
+                     k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                     stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+                     stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+                     offs_d, mask_d, D, K_BITS, V_BITS, GROUP, BLOCK_D)
+    elif t0 < length:
+        # stage 2b: tokens in [nq, L) -> residual ring slots t % RESIDUAL, copied in the cache dtype
+        mask = ((t0 + offs_t) < length)[:, None] & mask_d[None, :]
+        k = tl.load(k_rows, mask=mask)
+        v = tl.load(v_rows, mask=mask)
+        ring = (t0 + offs_t) % RESIDUAL
+        res = slot * stride_res_s + h * stride_res_h + ring[:, None] * stride_res_t + offs_d[None, :]
+        tl.store(k_res_ptr + res, k.to(k_res_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_res_ptr + res, v.to(v_res_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_decode_kernel(
+    key_ptr, value_ptr, seq_lens_ptr, slots_ptr, block_table_ptr,
+    k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr, k_res_ptr, v_res_ptr,
+    D,
+    stride_key_b, stride_key_h, stride_value_b, stride_value_h,
+    stride_bt_s,
+    stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+    stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+    stride_res_s, stride_res_h, stride_res_t,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, RESIDUAL: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (B, H): append token L = seq_lens[b] - 1 of row b, head h; flush the oldest group first if full."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    if seq_len > 0:  # seq_lens == 0 marks an inactive row
+        L = seq_len - 1
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        res_base = slot * stride_res_s + h * stride_res_h
+        t0 = L - RESIDUAL
+        if (t0 >= 0) & (t0 % GROUP == 0):
+            # stage 1: the ring is full -> quantize tokens [t0, t0 + GROUP) from slots t0 % RESIDUAL + i
+            ring = t0 % RESIDUAL + tl.arange(0, GROUP)
+            res = res_base + ring[:, None] * stride_res_t + offs_d[None, :]
+            k = tl.load(k_res_ptr + res, mask=mask_d[None, :], other=0.0).to(tl.float32)
+            v = tl.load(v_res_ptr + res, mask=mask_d[None, :], other=0.0).to(tl.float32)
+            page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
+            _store_group(k, v, page, (t0 % PAGE) // GROUP, h,
+                         k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                         stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+                         stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+                         offs_d, mask_d, D, K_BITS, V_BITS, GROUP, BLOCK_D)
+            # every thread must have read the old slot before any thread overwrites it below
+            tl.debug_barrier()
+        # stage 2: write the new token into ring slot L % RESIDUAL
+        k_new = tl.load(key_ptr + b * stride_key_b + h * stride_key_h + offs_d, mask=mask_d)
+        v_new = tl.load(value_ptr + b * stride_value_b + h * stride_value_h + offs_d, mask=mask_d)
+        res = res_base + (L % RESIDUAL) * stride_res_t + offs_d
+        tl.store(k_res_ptr + res, k_new.to(k_res_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(v_res_ptr + res, v_new.to(v_res_ptr.dtype.element_ty), mask=mask_d)
