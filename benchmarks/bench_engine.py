@@ -1,0 +1,755 @@
+"""Engine benchmark (issue 3): Hugging Face `generate` against our LLMEngine, bf16 against KIVI caches.
+
+On the H200 (first run: workloads b and e at 40 GiB on the Llama-2-7B shape, every system, ~6 minutes):
+
+    python benchmarks/bench_engine.py --quick --out $OUT/bench_engine.json
+
+On a CPU (tiny random Llama, tiny workloads, reference kernels; catches bugs before the device):
+
+    python benchmarks/bench_engine.py --cpu-smoke
+
+Systems (all in one process, same prompts, same random-weight bf16 model per shape and cap):
+  hf-bf16        model.generate with its default dynamic cache, static batches
+  hf-quanto-2/4  model.generate with transformers' QuantizedCache (quanto backend), static batches;
+                 recorded as skipped when optimum-quanto is not installed
+  hf-kivi-2      model.generate with kivi.KiviCache, static batches
+  engine-bf16    LLMEngine, paged bf16 cache, continuous batching (every prompt submitted in one generate())
+  engine-kivi-4  LLMEngine, KIVI 4-bit cache
+  engine-kivi-2  LLMEngine, KIVI 2-bit cache
+
+How each number is measured:
+  output_tokens_per_s  requested output tokens produced / wall_s. wall_s is the timed region: the whole
+                       engine.generate() call (prefill and decode; the engine's plan, allocation and CUDA-graph
+                       capture happen before it, in build_s), or the sum of the static batches' generate() calls.
+                       Static batches run to the longest request of the batch (workload d); tokens past a row's
+                       own count are not counted.
+  ms_per_decode_step   engine: engine.stats() decode_s / decode_steps (graph replay + sampling + host work).
+                       hf: a StoppingCriteria runs once per generated token; it synchronizes the GPU and takes a
+                       timestamp, so (last - first) / (calls - 1) per batch is the decode step (forward, logits
+                       processing, sampling, cache update); the first call marks the end of prefill.
+  decode_bound_ms      mean over decode steps of (weights read once, input embedding excluded, + the KV cache of
+                       every sequence in flight at that step at its format's size: bf16 for bf16 caches; packed
+                       codes, scales and zeros for the quantized tokens plus bf16 for the residual tokens for KIVI
+                       and quanto) / the copy bandwidth measured at the start of the same run (a 2 GiB copy_,
+                       bytes read plus written, median of 10; so reading 13.2 GB of Llama-2-7B weights at the
+                       H200's ~4,220 GB/s counts 3.1 ms, not the 6.4 ms of counting the copy's bytes once). The engine's
+                       per-step batch and lengths come from a wrapper around ModelRunner.decode (class-level,
+                       benchmark process only); hf steps have every row of the batch at prompt + step tokens.
+  max_in_flight        engine: engine.stats(); hf: the static batch size.
+  peak_allocated_gib   torch.cuda.max_memory_allocated over the system's whole run (weights included; for the
+                       engine its build, i.e. workspace measurement and graph capture, included).
+  hf batch size        the largest batch whose bytes fit under the cap: the prefill bytes per row measured with a
+                       2-row prefill, against the cache bytes per row at the final length plus a transient of 3
+                       layers' bf16 KV (concatenation / dequantized copies), leaving 1 GiB + 3% of the cap as slack.
+                       An out-of-memory batch is retried 15% smaller (oom_retries; its time is not counted).
+  --max-seconds        per system x workload x cap: the timed region stops there (hf: a StoppingCriteria ends the
+                       batch; engine: the wrapper raises out of generate()); the record then says "partial" and
+                       counts the tokens produced up to that point (num_prompts_done counts finished prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import math
+import sys
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+
+import torch  # noqa: E402
+from common import copy_bandwidth, env_header, log, write_json  # noqa: E402
+
+GiB = 2**30
+
+MODELS = {  # random-weight bf16 Llama shapes; 8192 positions so that workload c (4000 + 256) fits
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000, max_position_embeddings=8192, rope_theta=10000.0),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+}
+SMOKE_MODELS = {
+    "tiny-mha": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0),
+    "tiny-gqa": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=500000.0),
+}
+# workload -> (prompt tokens, new tokens or an inclusive (low, high) range drawn uniformly per prompt)
+WORKLOADS = {"a": (160, 338), "b": (1024, 256), "c": (4000, 256), "d": (1024, (16, 1024)), "e": (256, 2048)}
+SMOKE_WORKLOADS = {"a": (12, 24), "b": (40, 12), "c": (100, 6), "d": (40, (2, 24)), "e": (16, 56)}
+SMOKE_KIVI = dict(residual_length=32, page_size=32)  # short residual so tiny workloads exercise the packed store
+SMOKE_SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-kivi-2", "engine-bf16", "engine-kivi-2")
+NUM_PROMPTS = {"a": 512, "b": 512, "c": 128, "d": 512, "e": 256}
+QUICK_NUM_PROMPTS = {"a": 256, "b": 256, "c": 64, "d": 256, "e": 128}
+SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-quanto-4", "hf-kivi-2", "engine-bf16", "engine-kivi-4", "engine-kivi-2")
+
+
+class TimeUp(Exception):
+    """Raised inside the engine's generate() when the run reaches its time limit."""
+
+
+# -- cache formats: bytes per sequence --------------------------------------------------------------
+@dataclass(frozen=True)
+class KVFormat:
+    """A sequence's KV cache bytes in one format, all layers. bits=16: plain bf16."""
+
+    layers: int
+    heads: int  # KV heads
+    head_dim: int
+    bits: int = 16
+    group: int = 32
+    residual: int = 128
+    page: int = 128
+
+    @property
+    def bf16_token(self) -> int:
+        return self.layers * 2 * self.heads * self.head_dim * 2
+
+    @property
+    def packed_token(self) -> int:
+        """Codes of K and V, plus the scale and zero of keys (per G tokens) and values (per G channels)."""
+        hd = self.heads * self.head_dim
+        return self.layers * (2 * hd * self.bits // 8 + 8 * hd // self.group)
+
+    def quantized(self, length: int) -> int:
+        if self.bits == 16:
+            return 0
+        return self.group * math.ceil(max(0, length - self.residual) / self.group)
+
+    def read_bytes(self, length: int) -> int:
+        """What one decode step reads for a sequence of `length` cached tokens."""
+        nq = self.quantized(length)
+        return nq * self.packed_token + (length - nq) * self.bf16_token
+
+    def held_bytes(self, length: int) -> int:
+        """What the cache holds for it (whole pages, the full residual ring)."""
+        if self.bits == 16:
+            return length * self.bf16_token
+        pages = math.ceil(self.quantized(length) / self.page)
+        return pages * self.page * self.packed_token + self.residual * self.bf16_token
+
+    def read_table(self, max_len: int) -> list[int]:
+        return [self.read_bytes(n) for n in range(max_len + 2)]
+
+
+def kv_format(model, system: str, kivi_kw: dict) -> KVFormat:
+    cfg = model.config
+    shape = dict(layers=cfg.num_hidden_layers, heads=cfg.num_key_value_heads,
+                 head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if system.endswith("bf16"):
+        return KVFormat(**shape)
+    bits = int(system.rsplit("-", 1)[1])
+    if "quanto" in system:  # transformers' QuantizedCache defaults (approximate: it requantizes everything)
+        return KVFormat(**shape, bits=bits, group=64, residual=128)
+    return KVFormat(**shape, bits=bits, group=kivi_kw.get("group_size", 32),
+                    residual=kivi_kw.get("residual_length", 128), page=kivi_kw.get("page_size", 128))
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter but the input embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() != head.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+# -- model, prompts, tokenizer ------------------------------------------------------------------------
+def build_model(shape: dict, device: torch.device):
+    """Random bf16 Llama built on `device`, attention through the "kivi" hook, no EOS (ignore_eos)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kivi  # noqa: F401  (registers the "kivi" attention function)
+
+    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "kivi"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval().requires_grad_(False)
+    gen = model.generation_config
+    gen.eos_token_id = gen.bos_token_id = gen.pad_token_id = None
+    if model.config._attn_implementation != "kivi" or next(model.parameters()).dtype != torch.bfloat16:
+        raise RuntimeError(f"model built with attention {model.config._attn_implementation!r}, "
+                           f"dtype {next(model.parameters()).dtype}")
+    return model
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    new_tokens: int
+
+
+def make_prompts(workload: str, spec: tuple, n: int, seed: int, vocab: int) -> list[Prompt]:
+    """Seeded random token ids (the same for every system and, when vocab >= 32000, every model)."""
+    prompt_len, new = spec
+    g = torch.Generator().manual_seed(seed * 1009 + ord(workload))
+    ids = torch.randint(0, min(vocab, 32000), (n, prompt_len), generator=g).tolist()
+    if isinstance(new, tuple):
+        news = torch.randint(new[0], new[1] + 1, (n,), generator=g).tolist()
+    else:
+        news = [new] * n
+    return [Prompt(i, k) for i, k in zip(ids, news, strict=True)]
+
+
+class StubTokenizer:
+    """What the engine needs of a tokenizer; counts the finished sequences it is asked to decode."""
+
+    eos_token_id = None
+
+    def __init__(self) -> None:
+        self.finished = self.finished_tokens = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.finished += 1
+        self.finished_tokens += len(ids)
+        return ""
+
+
+# -- memory helpers -------------------------------------------------------------------------------------
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def allocated_gib(device: torch.device) -> float | None:
+    return torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def set_cap(cap_gib: float, device: torch.device) -> None:
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total), device)
+
+
+# -- Hugging Face generate, static batches --------------------------------------------------------------
+def quanto_available() -> bool:
+    try:
+        from transformers.utils import is_optimum_quanto_available
+
+        return bool(is_optimum_quanto_available())
+    except ImportError:
+        import importlib.util
+
+        return importlib.util.find_spec("optimum.quanto") is not None
+
+
+def cache_kwarg(model) -> str:
+    """transformers 5.24 renamed generate's/forward's past_key_values to cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_factory(model, system: str, kivi_kw: dict):
+    """A callable making a fresh cache for one generate() call, or None for the default dynamic cache."""
+    if system == "hf-bf16":
+        return None
+    bits = int(system.rsplit("-", 1)[1])
+    if "quanto" in system:
+        from transformers.cache_utils import QuantizedCache
+
+        return lambda: QuantizedCache(backend="quanto", config=model.config, nbits=bits)
+    import kivi
+
+    return lambda: kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits, **kivi_kw))
+
+
+class StepClock:
+    """A StoppingCriteria: generate calls it once per generated token. It synchronizes and takes a
+    timestamp (the first call marks the end of prefill), and stops every row once the deadline passes."""
+
+    def __init__(self, deadline: float, device: torch.device) -> None:
+        self.deadline, self.device, self.times = deadline, device, []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times.append(now)
+        return torch.full((input_ids.shape[0],), now > self.deadline, dtype=torch.bool, device=input_ids.device)
+
+
+def hf_batch_size(model, fmt: KVFormat, make_cache, prompt_len: int, total_len: int, n: int,
+                  cap_gib: float, ctx) -> tuple[int, dict]:
+    """Largest static batch whose bytes fit under the cap (see the module docstring)."""
+    if ctx.hf_batch:
+        return min(n, ctx.hf_batch), {"how": "--hf-batch"}
+    if ctx.device.type != "cuda":
+        return min(n, ctx.cpu_batch), {"how": "cpu default"}
+    free_memory(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    reset_peak(ctx.device)
+    rows = 2
+    ids = torch.randint(0, 1000, (rows, prompt_len), device=ctx.device)
+    extra = {cache_kwarg(model): make_cache()} if make_cache else {}
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1, **extra)
+    del out, extra
+    prefill_row = (torch.cuda.max_memory_allocated(ctx.device) - base) / rows
+    free_memory(ctx.device)
+    vocab = model.config.vocab_size
+    decode_row = fmt.held_bytes(total_len) + 3 * fmt.bf16_token * total_len / fmt.layers + 4 * vocab * 4
+    slack = GiB + 0.03 * cap_gib * GiB
+    batch = int((cap_gib * GiB - base - slack) // max(prefill_row, decode_row))
+    detail = dict(how="bytes", prefill_row_mib=round(prefill_row / 2**20, 1),
+                  decode_row_mib=round(decode_row / 2**20, 1), base_gib=round(base / GiB, 2), estimate=batch)
+    return max(1, min(batch, n)), detail
+
+
+def run_hf(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadline_s: float) -> dict:
+    if "quanto" in system and not quanto_available():
+        return {"status": "skipped: optimum-quanto is not installed (transformers' quanto backend needs it)"}
+    dev = ctx.device
+    fmt, make_cache = kv_format(model, system, ctx.kivi_kw), cache_factory(model, system, ctx.kivi_kw)
+    kw = cache_kwarg(model)
+    prompt_len = len(prompts[0].ids)
+    total_len = prompt_len + max(p.new_tokens for p in prompts)
+    batch, detail = hf_batch_size(model, fmt, make_cache, prompt_len, total_len, len(prompts), cap_gib, ctx)
+    weights = weight_read_bytes(model)
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    clock_cls = type("StepClockCriteria", (StepClock, StoppingCriteria), {})
+    acc = dict(wall=0.0, tokens=0, done=0, steps=0, decode_s=0.0, bound_s=0.0, rows=0, retries=0, wasted=0.0)
+    sample, in_flight, i = None, 0, 0
+    t_end = time.perf_counter() + deadline_s
+    hard_end = t_end + deadline_s  # an out-of-memory batch's time is given back, up to twice the limit in all
+    while i < len(prompts) and time.perf_counter() < t_end:
+        chunk = prompts[i: i + batch]
+        ids = torch.tensor([p.ids for p in chunk], device=dev)
+        clock = clock_cls(t_end, dev)
+        extra = {kw: make_cache()} if make_cache else {}
+        t0 = time.perf_counter()
+        oom = False
+        try:
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max(p.new_tokens for p in chunk),
+                                     stopping_criteria=StoppingCriteriaList([clock]), **extra)
+        except torch.OutOfMemoryError:
+            oom = True
+        elapsed = time.perf_counter() - t0
+        del extra
+        if oom:  # outside the except block, so the traceback no longer holds the batch's tensors
+            free_memory(dev)
+            acc["retries"] += 1
+            acc["wasted"] += elapsed
+            t_end = min(t_end + elapsed, hard_end)
+            if batch == 1 or acc["retries"] > 6:
+                raise RuntimeError(f"out of memory at batch {batch} after {acc['retries']} retries")
+            batch = max(1, int(batch * 0.85))
+            continue
+        generated = out.shape[1] - prompt_len
+        sample = sample or out[0, prompt_len: prompt_len + 8].tolist()
+        del out
+        acc["wall"] += elapsed
+        acc["tokens"] += sum(min(p.new_tokens, generated) for p in chunk)
+        acc["done"] += sum(generated >= p.new_tokens for p in chunk)
+        steps = len(clock.times) - 1
+        if steps > 0:
+            acc["steps"] += steps
+            acc["decode_s"] += clock.times[-1] - clock.times[0]
+            acc["rows"] += steps * len(chunk)
+            acc["bound_s"] += sum(weights + len(chunk) * fmt.read_bytes(prompt_len + j)
+                                  for j in range(1, steps + 1)) / ctx.bandwidth
+        in_flight = max(in_flight, len(chunk))
+        i += len(chunk)
+    return dict(
+        output_tokens=acc["tokens"], wall_s=acc["wall"], num_prompts_done=acc["done"], max_in_flight=in_flight,
+        decode_steps=acc["steps"], decode_s=acc["decode_s"], decode_bound_s=acc["bound_s"], bound_steps=acc["steps"],
+        decode_rows=acc["rows"],
+        batch_size=batch, batch_plan=detail, oom_retries=acc["retries"], oom_wasted_s=round(acc["wasted"], 3),
+        sample_tokens=sample,
+    )
+
+
+# -- our engine -------------------------------------------------------------------------------------------
+class RunnerProbe:
+    """Counts what the engine's model runner is asked to do; raises TimeUp past the deadline."""
+
+    def __init__(self, read_table: list[int], weight_bytes: int, bandwidth: float, deadline: float) -> None:
+        self.read_table, self.weights, self.bandwidth, self.deadline = read_table, weight_bytes, bandwidth, deadline
+        self.prefill_rows = self.steps = self.rows = 0
+        self.bound_s = 0.0
+
+    def check(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise TimeUp
+
+    def on_prefill(self, prompts) -> None:
+        self.check()
+        self.prefill_rows += len(prompts)
+
+    def on_decode(self, positions) -> None:
+        self.check()
+        self.steps += 1
+        self.rows += len(positions)
+        kv = sum(self.read_table[p + 1] for p in positions)  # row b caches positions[b] + 1 tokens
+        self.bound_s += (self.weights + kv) / self.bandwidth
+
+
+@contextmanager
+def instrumented_runner(probe: RunnerProbe):
+    """Wrap ModelRunner.prefill/decode (class-level, restored on exit) to feed `probe`."""
+    from pipeline.actors.engine import model_runner
+
+    cls = model_runner.ModelRunner
+    orig_prefill, orig_decode = cls.prefill, cls.decode
+
+    def prefill(self, *args, **kwargs):
+        probe.on_prefill(args[0] if args else kwargs["prompts"])
+        return orig_prefill(self, *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        probe.on_decode(args[1] if len(args) > 1 else kwargs["positions"])
+        return orig_decode(self, *args, **kwargs)
+
+    cls.prefill, cls.decode = prefill, decode
+    try:
+        yield probe
+    finally:
+        cls.prefill, cls.decode = orig_prefill, orig_decode
+
+
+def build_engine(engine, requests) -> bool:
+    """Plan and allocate the cache and capture the graphs for exactly these requests, as the first
+    generate() call would, so that the timed generate() holds no set-up. False if the engine's private
+    _build is not there (then the set-up happens inside the timed call)."""
+    from pipeline.actors.engine.request import Sequence
+
+    if not hasattr(engine, "_build"):
+        return False
+    seqs = []
+    for index, request in enumerate(requests):
+        room = engine.max_model_len - len(request.prompt_token_ids)
+        seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room)))
+    engine._build(seqs)
+    return True
+
+
+def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadline_s: float) -> dict:
+    from kivi import KiviConfig
+    from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
+
+    dev = ctx.device
+    bits = None if system == "engine-bf16" else int(system.rsplit("-", 1)[1])
+    config = EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **ctx.kivi_kw),
+                          memory_limit_gib=cap_gib, max_batch_size=ctx.engine_max_batch,
+                          cuda_graphs=ctx.cuda_graphs, cpu_cache_gib=ctx.cpu_cache_gib)
+    tokenizer = StubTokenizer()
+    engine = LLMEngine(model, tokenizer, config)
+    requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    prebuilt = build_engine(engine, requests)
+    if prebuilt:  # compile the prefill path too, with one short request
+        engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=2))])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    build_s = time.perf_counter() - t0
+    build_peak = peak_gib(dev)
+    engine.reset_stats()
+    tokenizer.__init__()
+    fmt = kv_format(model, system, ctx.kivi_kw)
+    max_len = max(len(p.ids) + p.new_tokens for p in prompts)
+    probe = RunnerProbe(fmt.read_table(max_len), weight_read_bytes(model), ctx.bandwidth,
+                        time.perf_counter() + deadline_s)
+    completions, aborted = None, False
+    t0 = time.perf_counter()
+    with instrumented_runner(probe):
+        try:
+            completions = engine.generate(requests)
+        except TimeUp:
+            aborted = True
+    wall = time.perf_counter() - t0
+    stats = engine.stats()
+    if completions is not None:
+        ok = [c for c in completions if c.finish_reason != "error"]
+        errors = [c.error for c in completions if c.finish_reason == "error"]
+        tokens, done = sum(len(c.token_ids) for c in ok), len(ok)
+        short = sum(len(c.token_ids) != p.new_tokens for c, p in zip(completions, prompts, strict=True)
+                    if c.finish_reason != "error")
+        sample = completions[0].token_ids[:8] if completions else None
+        ttfts = [c.ttft_s for c in ok if c.ttft_s is not None]
+        mean_ttft = sum(ttfts) / len(ttfts) if ttfts else None
+    else:  # stopped at the deadline: every prefill and decode row so far made one token
+        tokens, done, errors, short, sample = probe.prefill_rows + probe.rows, tokenizer.finished, [], 0, None
+        mean_ttft = None
+    rec = dict(
+        output_tokens=tokens, wall_s=wall, num_prompts_done=done, max_in_flight=stats.get("max_in_flight"),
+        decode_steps=stats.get("decode_steps", 0), decode_s=stats.get("decode_s", 0.0), decode_bound_s=probe.bound_s,
+        bound_steps=probe.steps, decode_rows=probe.rows, build_s=build_s, build_in_timed_region=not prebuilt,
+        build_peak_gib=build_peak, aborted_at_time_limit=aborted, oom_retries=stats.get("oom_retries"),
+        num_slots=stats.get("num_slots"), num_pages=stats.get("num_pages"),
+        kv_cache_gib=stats.get("kv_cache_bytes", 0) / GiB, kv_cache_bf16_equiv_gib=stats.get("kv_cache_bytes_bf16", 0)
+        / GiB, request_errors=len(errors), first_request_error=errors[0] if errors else None,
+        wrong_length_completions=short, mean_ttft_s=mean_ttft, sample_tokens=sample, engine_stats=stats,
+    )
+    del engine, completions
+    return rec
+
+
+# -- the matrix -------------------------------------------------------------------------------------------
+def finish_record(rec: dict, n: int, device: torch.device) -> dict:
+    """Derived fields shared by hf and engine records."""
+    wall, steps, bound_steps = rec["wall_s"], rec["decode_steps"], rec["bound_steps"]
+    rec["output_tokens_per_s"] = rec["output_tokens"] / wall if wall > 0 else None
+    rec["ms_per_decode_step"] = 1e3 * rec["decode_s"] / steps if steps else None
+    rec["decode_bound_ms"] = 1e3 * rec["decode_bound_s"] / bound_steps if bound_steps else None
+    if rec["ms_per_decode_step"] and rec["decode_bound_ms"]:
+        rec["step_over_bound"] = rec["ms_per_decode_step"] / rec["decode_bound_ms"]
+    rec["mean_decode_batch"] = rec["decode_rows"] / bound_steps if bound_steps else None
+    pk = peak_gib(device)
+    rec["peak_allocated_gib"] = max(x for x in (pk, rec.get("build_peak_gib")) if x is not None) if pk else None
+    if rec["num_prompts_done"] < n:
+        rec["status"] = f"partial: {rec['num_prompts_done']}/{n} prompts done in the time limit"
+    else:
+        rec["status"] = "ok"
+    if rec.get("request_errors"):
+        rec["status"] += f"; {rec['request_errors']} request errors"
+    if rec.get("wrong_length_completions"):
+        rec["status"] += f"; {rec['wrong_length_completions']} completions of the wrong length"
+    return rec
+
+
+def run_one(model, model_name: str, system: str, workload: str, cap_gib: float, prompts, ctx) -> dict:
+    base = dict(system=system, model=model_name, workload=workload, cap_gib=cap_gib, num_prompts=len(prompts),
+                prompt_len=len(prompts[0].ids), new_tokens=ctx.workloads[workload][1])
+    dev = ctx.device
+    remaining = ctx.budget_end - time.perf_counter()
+    if remaining <= 0:
+        return dict(base, status="skipped: --budget-seconds spent")
+    free_memory(dev)
+    reset_peak(dev)
+    base["allocated_at_start_gib"] = allocated_gib(dev)
+    deadline_s = min(ctx.max_seconds, remaining)
+    t0 = time.perf_counter()
+    try:
+        runner = run_engine if system.startswith("engine") else run_hf
+        rec = runner(model, system, prompts, cap_gib, ctx, deadline_s)
+        rec = dict(base, **rec)
+        if "status" not in rec:
+            rec = finish_record(rec, len(prompts), dev)
+    except Exception as err:  # one system failing never stops the run
+        rec = dict(base, status=f"error: {type(err).__name__}: {str(err)[:300]}",
+                   traceback=traceback.format_exc()[-3000:], peak_allocated_gib=peak_gib(dev))
+    rec["total_s"] = time.perf_counter() - t0
+    free_memory(dev)
+    return rec
+
+
+def fmt_num(x, spec: str) -> str:
+    width = int(spec.split(".")[0].rstrip("df") or 0)
+    return "-".rjust(width) if x is None else format(x, spec)
+
+
+TABLE_HEAD = (f"{'model':10} {'wl':2} {'cap':>3} {'system':14} {'tok/s':>8} {'flight':>6} {'ms/step':>8} "
+              f"{'bound':>7} {'x':>5} {'peakGiB':>7} {'done':>9} {'wall':>6}  status")
+
+
+def table_row(r: dict) -> str:
+    done = f"{r.get('num_prompts_done', '-')}/{r.get('num_prompts', '-')}"
+    return (f"{r['model']:10} {r['workload']:2} {r['cap_gib']:>3g} {r['system']:14} "
+            f"{fmt_num(r.get('output_tokens_per_s'), '8.1f')} {fmt_num(r.get('max_in_flight'), '6d')} "
+            f"{fmt_num(r.get('ms_per_decode_step'), '8.2f')} {fmt_num(r.get('decode_bound_ms'), '7.2f')} "
+            f"{fmt_num(r.get('step_over_bound'), '5.2f')} {fmt_num(r.get('peak_allocated_gib'), '7.2f')} "
+            f"{done:>9} {fmt_num(r.get('wall_s'), '6.1f')}  {r['status'][:70]}")
+
+
+SUMMARY_KEYS = ("system", "model", "workload", "cap_gib", "status", "output_tokens_per_s", "max_in_flight",
+                "peak_allocated_gib", "ms_per_decode_step", "decode_bound_ms", "num_prompts_done", "num_prompts",
+                "wall_s")
+
+
+def speedups(records: list[dict]) -> dict:
+    """engine-kivi-2 tokens/s over hf-bf16 and engine-bf16, per model/workload/cap (the issue's targets)."""
+    rate = {(r["model"], r["workload"], r["cap_gib"], r["system"]): r.get("output_tokens_per_s") for r in records}
+    out = {}
+    for (model, wl, cap, system), kivi2 in rate.items():
+        if system != "engine-kivi-2" or not kivi2:
+            continue
+        for peer in ("hf-bf16", "engine-bf16"):
+            if rate.get((model, wl, cap, peer)):
+                out[f"{model}/{wl}/{cap:g}/kivi2_over_{peer}"] = round(kivi2 / rate[(model, wl, cap, peer)], 2)
+    return out
+
+
+def compact(r: dict) -> dict:
+    out = {k: r.get(k) for k in SUMMARY_KEYS}
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def parse_num_prompts(text: str | None, defaults: dict) -> dict:
+    if not text:
+        return dict(defaults)
+    if "=" not in text:
+        return {w: int(text) for w in defaults}
+    out = dict(defaults)
+    for part in text.split(","):
+        key, value = part.split("=")
+        out[key.strip()] = int(value)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default: all)")
+    p.add_argument("--systems", default=None, help=f"comma list of {list(SYSTEMS)} (default: all)")
+    p.add_argument("--workloads", default=None, help="comma list of a,b,c,d,e (default: all)")
+    p.add_argument("--caps", default=None, help="comma list of memory caps in GiB (default: 40,80)")
+    p.add_argument("--num-prompts", default=None,
+                   help=f"N for every workload, or 'b=512,e=256' (default {NUM_PROMPTS})")
+    p.add_argument("--max-seconds", type=float, default=None, help="timed seconds per system x workload x cap "
+                   "(default 90; --quick 25)")
+    p.add_argument("--budget-seconds", type=float, default=None, help="start no run after this many seconds "
+                   "from launch (default: none; --quick 480)")
+    p.add_argument("--out", default=None, help="full records as JSON (default $OUT/bench_engine.json if $OUT is set, "
+                   "else benchmarks/results/engine-<date>.json; --cpu-smoke: /tmp/bench_engine_smoke.json)")
+    p.add_argument("--engine-max-batch", type=int, default=256, help="EngineConfig.max_batch_size")
+    p.add_argument("--hf-batch", type=int, default=0, help="force the hf systems' static batch size "
+                   "(default 0: the largest that fits, from bytes)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs=False")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="first device run: workloads b,e at 40 GiB on llama2-7b, "
+                   "all systems, modest prompt counts, ~6 minutes")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny random Llama on the CPU, tiny workloads")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Context:
+    device: torch.device
+    bandwidth: float  # bytes/s
+    workloads: dict
+    max_seconds: float
+    budget_end: float
+    engine_max_batch: int
+    cuda_graphs: bool
+    cpu_batch: int = 4
+    hf_batch: int = 0  # force the static batch size (0: from bytes)
+    cpu_cache_gib: float = 1.0
+    kivi_kw: dict | None = None  # KiviConfig overrides (smoke only)
+
+
+def load_model(name: str, shape: dict, device: torch.device, header: dict):
+    """(model, None), or (None, an error status) if it cannot be built."""
+    t0 = time.perf_counter()
+    try:
+        model = build_model(shape, device)
+    except Exception as err:
+        free_memory(device)
+        return None, f"error: building the model: {type(err).__name__}: {str(err)[:300]}"
+    header.setdefault("model_build_s", {})[name] = round(time.perf_counter() - t0, 1)
+    return model, None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_launch = time.perf_counter()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    smoke = args.cpu_smoke
+    if smoke:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        sys.exit("no CUDA device: run on the GPU, or use --cpu-smoke")
+    models = SMOKE_MODELS if smoke else MODELS
+    workloads = SMOKE_WORKLOADS if smoke else WORKLOADS
+    pick = lambda text, default: [s.strip() for s in text.split(",")] if text else list(default)
+    model_names = pick(args.models, ["llama2-7b"] if args.quick else ["tiny-gqa"] if smoke else models)
+    systems = pick(args.systems, SMOKE_SYSTEMS if smoke else SYSTEMS)
+    wl_names = pick(args.workloads, ["b", "e"] if args.quick else ["b", "d", "e"] if smoke else workloads)
+    caps = [float(c) for c in pick(args.caps, ["40"] if args.quick or smoke else ["40", "80"])]
+    for name, known in ((model_names, models), (systems, SYSTEMS), (wl_names, workloads)):
+        bad = [x for x in name if x not in known]
+        if bad:
+            sys.exit(f"unknown {bad}; choose from {list(known)}")
+    num_prompts = parse_num_prompts(args.num_prompts, {w: 6 for w in workloads} if smoke
+                                    else QUICK_NUM_PROMPTS if args.quick else NUM_PROMPTS)
+    max_seconds = args.max_seconds or (25.0 if args.quick else 30.0 if smoke else 90.0)
+    budget = args.budget_seconds or (480.0 if args.quick else 150.0 if smoke else None)
+    out_path = args.out or ("/tmp/bench_engine_smoke.json" if smoke else None)
+    if out_path is None:
+        import os
+
+        out_dir = os.environ.get("OUT")
+        out_path = (f"{out_dir}/bench_engine.json" if out_dir else
+                    f"benchmarks/results/engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    header = env_header(device)
+    bw = copy_bandwidth(device, nbytes=(64 * 2**20 if smoke else 2 * GiB), iters=(5 if smoke else 10))
+    header.update(copy_bandwidth_gbs=round(bw["gbs"], 1), copy_bandwidth_samples_gbs=bw["samples_gbs"],
+                  quanto_available=quanto_available(), argv=sys.argv[1:], models={m: models[m] for m in model_names},
+                  workloads={w: workloads[w] for w in wl_names}, num_prompts={w: num_prompts[w] for w in wl_names},
+                  max_seconds=max_seconds, budget_seconds=budget, systems=systems, caps_gib=caps)
+    ctx = Context(device=device, bandwidth=bw["gbs"] * 1e9, workloads=workloads, max_seconds=max_seconds,
+                  budget_end=t_launch + budget if budget else float("inf"), engine_max_batch=(
+                      min(args.engine_max_batch, 4) if smoke else args.engine_max_batch),
+                  cuda_graphs=not args.no_cuda_graphs, cpu_cache_gib=0.05 if smoke else 1.0,
+                  kivi_kw=dict(SMOKE_KIVI) if smoke else {}, hf_batch=args.hf_batch)
+    log(f"bench_engine on {header['gpu']}: torch {header['torch']}, transformers {header['transformers']}, "
+        f"triton {header['triton']}; copy bandwidth {bw['gbs']:.0f} GB/s; results -> {out_path}")
+    log(TABLE_HEAD)
+    records: list[dict] = []
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        log(table_row(rec))
+        write_json(out_path, {"header": header, "records": records})
+
+    for model_name in model_names:
+        model, model_error = None, None
+        for cap in caps:
+            set_cap(cap, device)  # one model per shape, reused across systems and caps
+            for wl in wl_names:
+                prompts = make_prompts(wl, workloads[wl], num_prompts[wl], args.seed, models[model_name]["vocab_size"])
+                for system in systems:
+                    if model is None and model_error is None and time.perf_counter() < ctx.budget_end:
+                        model, model_error = load_model(model_name, models[model_name], device, header)
+                    if model is None:
+                        spent = time.perf_counter() >= ctx.budget_end
+                        emit(dict(system=system, model=model_name, workload=wl, cap_gib=cap,
+                                  status=model_error or ("skipped: --budget-seconds spent" if spent else "skipped")))
+                        continue
+                    emit(run_one(model, model_name, system, wl, cap, prompts, ctx))
+        del model
+        free_memory(device)
+    header["total_s"] = round(time.perf_counter() - t_launch, 1)
+    write_json(out_path, {"header": header, "records": records})
+    summary = dict(bench="bench_engine", out=str(out_path), gpu=header["gpu"], torch=header["torch"],
+                   transformers=header["transformers"], triton=header["triton"],
+                   copy_bandwidth_gbs=header["copy_bandwidth_gbs"], total_s=header["total_s"],
+                   speedups=speedups(records), results=[compact(r) for r in records])
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
