@@ -60,14 +60,12 @@ class InputPlan:
 
 def filesystem(url: str, endpoint_url: str | None = None) -> tuple[Any, str]:
     """(fsspec filesystem, path inside it) for a local path or an s3:// URL."""
-    options: dict[str, Any] = {}
-    if url.startswith(("s3://", "s3a://")) and endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": endpoint_url}
-    fs, path = fsspec.core.url_to_fs(url, **options)
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options(url, endpoint_url) or {}))
     return fs, path.rstrip("/") or path
 
 
 def storage_options(url: str, endpoint_url: str | None) -> dict[str, Any] | None:
+    """fsspec options for `url`: the endpoint of an S3-compatible store, if given."""
     if url.startswith(("s3://", "s3a://")) and endpoint_url:
         return {"client_kwargs": {"endpoint_url": endpoint_url}}
     return None

@@ -92,6 +92,8 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     gpus = int(ray.cluster_resources().get("GPU", 0))
     size = min(job.actors or gpus or 1, math.ceil(total / job.batch_size))
     resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    if gpus and size > gpus:
+        log.warning("%d actors of one GPU each on a cluster with %d GPUs: the rest wait for GPUs", size, gpus)
     log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, job.batch_size)
     ds = read_dataset(plan, shards).map_batches(
         GenerateActor,
