@@ -165,14 +165,17 @@ def test_unreadable_inputs(tmp_path):
         (["--max-new-tokens", "many"], "invalid int value"),
         (["--kv-bits", "3"], "kv_bits"),
         (["--input", "/nonexistent/x.parquet"], "not found"),
+        (["--input", "NO_PROMPT"], "no 'prompt' or 'messages' column"),
+        (["--input", "NO_PROMPT", "--prompt-template", "{question}"], "needs columns ['question']"),
         (["--model", "./no-such-model"], "model folder"),
     ],
 )
 def test_cli_fails_before_ray(tmp_path, capsys, argv, message):
     import ray
 
+    no_prompt = write(str(tmp_path / "in.parquet"), text=["hello"])
     with pytest.raises(SystemExit) as e:
-        code = main(["--output", str(tmp_path / "out"), *argv])
+        code = main(["--output", str(tmp_path / "out"), *(no_prompt if a == "NO_PROMPT" else a for a in argv)])
         raise SystemExit(code)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
