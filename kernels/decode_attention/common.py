@@ -1,0 +1,143 @@
+"""Launcher helpers shared by the decode-attention ops (quantized and full-precision paged).
+
+Argument checks that raise ValueError/TypeError naming the bad tensor, the split-count heuristic, the
+fp32 split workspace and the merge launch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .kernel import _merge_splits_kernel
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NUM_SMS_DEFAULT = 132  # H200
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_device(op: str, tensors: dict[str, torch.Tensor]) -> torch.device:
+    """All tensors on one device; a CPU device only under TRITON_INTERPRET=1."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise ValueError(f"{op}: {name} is on {dev}, expected {first} like the other tensors")
+    if first.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"{op}: Triton kernels need a CUDA device (tensors are on {first}); set TRITON_INTERPRET=1 "
+            "before importing kernels to run them on the CPU, or use the PyTorch reference backend "
+            "(kernels.get_ops('reference'))."
+        )
+    return first
+
+
+def check_tensor(
+    op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """Exact shape (-1 matches anything), one of dtypes, last dim contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(s != -1 and s != n for s, n in zip(shape, t.shape, strict=True)):
+        want = "[" + ", ".join("*" if s == -1 else str(s) for s in shape) + "]"
+        raise ValueError(f"{op}: {name} has shape {list(t.shape)}, expected {want}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}, expected one of {[str(d) for d in dtypes]}")
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} (shape {list(t.shape)}) needs a contiguous last dim, strides {t.stride()}")
+
+
+def check_int(op: str, name: str, value: int, allowed: tuple[int, ...] | None = None) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{op}: {name} must be a positive int, got {value!r}")
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{op}: {name} must be one of {allowed}, got {value}")
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return NUM_SMS_DEFAULT
+
+
+def choose_num_splits(programs: int, max_tokens: int, device: torch.device) -> int:
+    """Splits of the key sequence so that programs * splits fills the GPU about twice.
+
+    programs: B * H programs without splitting; max_tokens: the most tokens a row can hold (known on the
+    host without a sync, so the choice is stable inside a CUDA graph). Each split keeps at least
+    MIN_TOKENS_PER_SPLIT tokens so the merge and the per-program set-up stay small.
+    """
+    want = math.ceil(2 * num_sms(device) / max(programs, 1))
+    cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def dot_config(q_dtype: torch.dtype, cache_dtype: torch.dtype):
+    """(tl dtype for tl.dot operands, input_precision): the common 16-bit type, else exact fp32.
+
+    The interpreter computes bf16 arithmetic wrongly, so there bf16 operands stay fp32.
+    """
+    import triton.language as tl
+
+    if q_dtype == cache_dtype == torch.float16:
+        return tl.float16, None
+    if q_dtype == cache_dtype == torch.bfloat16 and not interpreting():
+        return tl.bfloat16, None
+    return tl.float32, "ieee"
+
+
+def split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 workspace [B, Hq, S, D] for partial outputs and [B, Hq, S] for their base-2 log-sum-exp."""
+    b, hq, d = out.shape
+    ws_o = torch.empty((b, hq, num_splits, d), dtype=torch.float32, device=out.device)
+    ws_lse = torch.empty((b, hq, num_splits), dtype=torch.float32, device=out.device)
+    return ws_o, ws_lse
+
+
+def output_args(out: torch.Tensor, num_splits: int):
+    """(o, lse, dict of strides) that stage 1 writes: the output itself, or the split workspace."""
+    if num_splits == 1:
+        strides = dict(stride_o_b=out.stride(0), stride_o_h=out.stride(1), stride_o_s=0,
+                       stride_lse_b=0, stride_lse_h=0)
+        return out, out, strides, None
+    ws_o, ws_lse = split_buffers(out, num_splits)
+    strides = dict(stride_o_b=ws_o.stride(0), stride_o_h=ws_o.stride(1), stride_o_s=ws_o.stride(2),
+                   stride_lse_b=ws_lse.stride(0), stride_lse_h=ws_lse.stride(1))
+    return ws_o, ws_lse, strides, (ws_o, ws_lse)
+
+
+def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Second pass: out[b, h] from the NUM_SPLITS partials of the workspace."""
+    b, hq, num_splits, d = ws_o.shape
+    _merge_splits_kernel[(b, hq)](
+        ws_o, ws_lse, out,
+        stride_ws_b=ws_o.stride(0), stride_ws_h=ws_o.stride(1), stride_ws_s=ws_o.stride(2),
+        stride_lse_b=ws_lse.stride(0), stride_lse_h=ws_lse.stride(1),
+        stride_o_b=out.stride(0), stride_o_h=out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton_next_pow2(num_splits), HEAD_DIM=d,
+        num_warps=1 if d <= 64 else 2,
+    )
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def prepare_out(op: str, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    check_tensor(op, "out", out, shape, (like.dtype,))
+    if out.device != like.device:
+        raise ValueError(f"{op}: out is on {out.device}, expected {like.device}")
+    return out

@@ -1,0 +1,148 @@
+"""Launcher of the decode-attention kernel over the KIVI cache (design.md, op 3)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import common as C
+from .kernel import _decode_attention_kernel
+
+_OP = "decode_attention"
+
+
+def _default_block_n(page_size: int, deq_fp32: bool) -> int:
+    """128 tokens per step (fp16/bf16 tiles: ~190 registers, ~80 KB shared memory at D=128, 2 programs per
+    SM); 64 for fp32 tiles, whose registers double."""
+    return min(page_size, 64 if deq_fp32 else 128)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_bits: int,
+    v_bits: int,
+    group_size: int,
+    residual_length: int,
+    page_size: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    use_dot: bool | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
+
+    q [B, Hq, D]; caches as in design.md; returns out [B, Hq, D] in q's dtype (rows with seq_len 0 are
+    zero). Tuning (all optional): num_splits (split-K count, default from B*H vs SMs and the block-table
+    capacity), block_n (tokens per step, a power of two dividing page_size), use_dot (default True: the
+    tensor-core path with the query group padded to 16 rows; False: broadcast-multiply-reduce in fp32).
+    """
+    check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
+               seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
+               residual_length=residual_length, page_size=page_size)
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_codes.shape[1]
+    qg = q_heads // kv_heads
+    out = C.prepare_out(_OP, out, (batch, q_heads, head_dim), q)
+    if batch == 0:
+        return out
+
+    dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
+    use_dot = True if use_dot is None else bool(use_dot)
+    qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
+    if block_n is None:
+        block_n = _default_block_n(page_size, precision is not None)
+        if not use_dot:  # [QG_PAD, BLOCK_N, D] products live in registers
+            block_n = min(block_n, max(16, 8192 // (qg_pad * head_dim)))
+    if not C.is_pow2(block_n) or block_n < 16 or page_size % block_n or block_n * head_dim > 16384:
+        raise ValueError(f"{_OP}: block_n={block_n} must be a power of two >= 16 dividing page_size={page_size}, "
+                         f"with block_n * head_dim <= 16384")
+    if num_splits is None:
+        max_tokens = block_table.shape[1] * page_size + residual_length
+        num_splits = C.choose_num_splits(batch * kv_heads, max_tokens, q.device)
+    C.check_int(_OP, "num_splits", num_splits)
+    num_warps = 4 if use_dot and precision is None else 8
+
+    o, lse, o_strides, workspace = C.output_args(out, num_splits)
+    _decode_attention_kernel[(batch, kv_heads, num_splits)](
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
+        block_table, slots, seq_lens, o, lse,
+        QK_SCALE=float(sm_scale) * math.log2(math.e),
+        stride_q_b=q.stride(0), stride_q_h=q.stride(1),
+        stride_kc_n=k_codes.stride(0), stride_kc_h=k_codes.stride(1), stride_kc_w=k_codes.stride(2),
+        stride_ks_n=k_scale.stride(0), stride_ks_h=k_scale.stride(1), stride_ks_g=k_scale.stride(2),
+        stride_vc_n=v_codes.stride(0), stride_vc_h=v_codes.stride(1), stride_vc_t=v_codes.stride(2),
+        stride_vs_n=v_scale.stride(0), stride_vs_h=v_scale.stride(1), stride_vs_t=v_scale.stride(2),
+        stride_res_s=k_res.stride(0), stride_res_h=k_res.stride(1), stride_res_t=k_res.stride(2),
+        stride_bt_s=block_table.stride(0),
+        **o_strides,
+        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
+        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, USE_ASM=not C.interpreting(),
+        num_warps=num_warps,
+    )
+    if workspace is not None:
+        C.merge_splits(*workspace, out)
+    return out
+
+
+def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
+               seq_lens, *, k_bits, v_bits, group_size, residual_length, page_size) -> None:
+    """Shapes, dtypes, strides and devices of decode_attention's arguments (ValueError/TypeError)."""
+    for name, val in (("k_bits", k_bits), ("v_bits", v_bits)):
+        C.check_int(_OP, name, val, (2, 4))
+    for name, val in (("group_size", group_size), ("residual_length", residual_length),
+                      ("page_size", page_size)):
+        C.check_int(_OP, name, val)
+    if not C.is_pow2(group_size) or page_size % group_size or residual_length % group_size:
+        raise ValueError(f"{_OP}: group_size={group_size} must be a power of two dividing "
+                         f"page_size={page_size} and residual_length={residual_length}")
+    if not C.is_pow2(page_size) or page_size < 16:
+        raise ValueError(f"{_OP}: page_size={page_size} must be a power of two >= 16")
+    C.check_tensor(_OP, "q", q, (-1, -1, -1), C.FLOAT_DTYPES)
+    batch, q_heads, head_dim = q.shape
+    n_pages, kv_heads = k_codes.shape[:2] if k_codes.dim() == 4 else (-1, -1)
+    if not C.is_pow2(head_dim) or head_dim < 16 or head_dim % group_size:
+        raise ValueError(f"{_OP}: q has head_dim {head_dim} (shape {list(q.shape)}); it must be a power of two "
+                         f">= 16 divisible by group_size={group_size}")
+    C.check_tensor(_OP, "k_codes", k_codes, (n_pages, kv_heads, page_size * k_bits // 32, head_dim),
+                   (torch.int32,))
+    if kv_heads <= 0 or q_heads % kv_heads:
+        raise ValueError(f"{_OP}: q has {q_heads} heads (shape {list(q.shape)}), not a multiple of the "
+                         f"{kv_heads} KV heads of k_codes (shape {list(k_codes.shape)})")
+    cache_dtype = k_res.dtype
+    if cache_dtype not in C.FLOAT_DTYPES:
+        raise TypeError(f"{_OP}: k_res has dtype {cache_dtype}, expected fp16, bf16 or fp32")
+    scale_shape = (n_pages, kv_heads, page_size // group_size, head_dim)
+    vscale_shape = (n_pages, kv_heads, page_size, head_dim // group_size)
+    C.check_tensor(_OP, "k_scale", k_scale, scale_shape, (cache_dtype,))
+    C.check_tensor(_OP, "k_zero", k_zero, scale_shape, (cache_dtype,))
+    C.check_tensor(_OP, "v_codes", v_codes, (n_pages, kv_heads, page_size, head_dim * v_bits // 32),
+                   (torch.int32,))
+    C.check_tensor(_OP, "v_scale", v_scale, vscale_shape, (cache_dtype,))
+    C.check_tensor(_OP, "v_zero", v_zero, vscale_shape, (cache_dtype,))
+    C.check_tensor(_OP, "k_res", k_res, (-1, kv_heads, residual_length, head_dim), (cache_dtype,))
+    C.check_tensor(_OP, "v_res", v_res, tuple(k_res.shape), (cache_dtype,))
+    if k_res.stride() != v_res.stride() or k_scale.stride() != k_zero.stride() or (
+        v_scale.stride() != v_zero.stride()
+    ):
+        raise ValueError(f"{_OP}: k_res/v_res, k_scale/k_zero and v_scale/v_zero must share strides")
+    C.check_tensor(_OP, "block_table", block_table, (k_res.shape[0], -1), (torch.int32,))
+    C.check_tensor(_OP, "slots", slots, (batch,), (torch.int32,))
+    C.check_tensor(_OP, "seq_lens", seq_lens, (batch,), (torch.int32,))
+    C.check_device(_OP, dict(q=q, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes,
+                             v_scale=v_scale, v_zero=v_zero, k_res=k_res, v_res=v_res,
+                             block_table=block_table, slots=slots, seq_lens=seq_lens))

@@ -1,0 +1,101 @@
+"""PyTorch fp32 reference of decode_attention (same signature as ops.py); the model's CPU path.
+
+Vectorized over the batch: gather every row's pages through the block table, dequantize them with
+kernels/packing.py, append the residual ring, mask what each row does not hold, one softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.packing import dequantize_keys, dequantize_values
+
+
+def quantized_lengths(seq_lens: torch.Tensor, group_size: int, residual_length: int) -> torch.Tensor:
+    """nq = G * ceil(max(0, L - R) / G) per row (int64)."""
+    over = (seq_lens.long() - residual_length).clamp(min=0)
+    return (over + group_size - 1) // group_size * group_size
+
+
+def ring_mask(seq_lens: torch.Tensor, nq: torch.Tensor, residual_length: int) -> torch.Tensor:
+    """[B, R] bool: ring slot j holds a token of [nq, L), i.e. (j - nq) mod R < L - nq."""
+    j = torch.arange(residual_length, device=seq_lens.device)
+    return (j[None, :] - nq[:, None]) % residual_length < (seq_lens.long() - nq)[:, None]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sm_scale: float,
+           out: torch.Tensor | None) -> torch.Tensor:
+    """q [B, Hq, D]; keys/values [B, H, T, D] fp32 (zeros where masked); mask [B, T] -> [B, Hq, D]."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)  # [B, H, QG, D]
+    scores = torch.matmul(qf, keys.transpose(-1, -2)) * sm_scale  # [B, H, QG, T]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows without keys -> zeros
+    result = torch.matmul(probs, values).view(batch, q_heads, head_dim)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
+
+
+def gather_pages(block_table: torch.Tensor, slots: torch.Tensor, n_pages: int, pool_size: int) -> torch.Tensor:
+    """[B, n_pages] int64 page ids of each row (clamped into the pool; unused ones are masked later)."""
+    pages = block_table[slots.long(), :n_pages].long()
+    return pages.clamp_(0, pool_size - 1)
+
+
+def pages_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, n_pages, H, P, D] -> [B, H, n_pages * P, D]."""
+    b, n, h, p, d = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    k_bits: int,
+    v_bits: int,
+    group_size: int,
+    residual_length: int,
+    page_size: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    use_dot: bool | None = None,
+) -> torch.Tensor:
+    """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
+    del num_splits, block_n, use_dot
+    seq_lens = seq_lens.long()
+    slots = torch.where(seq_lens > 0, slots.long(), torch.zeros_like(slots.long()))  # inactive rows: any slot
+    nq = quantized_lengths(seq_lens, group_size, residual_length)  # [B]
+    n_pages = -(-int(nq.max()) // page_size) if nq.numel() else 0
+
+    # packed tokens [0, n_pages * P): dequantized pages in token order, masked past nq
+    pages = gather_pages(block_table, slots, n_pages, k_codes.shape[0])  # [B, n_pages]
+    keys = pages_to_tokens(dequantize_keys(k_codes[pages], k_scale[pages], k_zero[pages], k_bits, group_size))
+    values = pages_to_tokens(
+        dequantize_values(v_codes[pages], v_scale[pages], v_zero[pages], v_bits, group_size)
+    )
+    packed_mask = torch.arange(n_pages * page_size, device=q.device)[None, :] < nq[:, None]  # [B, nP]
+
+    # residual ring [R): slot j valid iff it holds a token of [nq, L)
+    mask = torch.cat([packed_mask, ring_mask(seq_lens, nq, residual_length)], dim=1)  # [B, T]
+    keys = torch.cat([keys, k_res[slots].float()], dim=2)
+    values = torch.cat([values, v_res[slots].float()], dim=2)
+    zero = torch.zeros((), device=q.device)
+    keys = torch.where(mask[:, None, :, None], keys, zero)  # never let garbage (NaN) in unused memory through
+    values = torch.where(mask[:, None, :, None], values, zero)
+    return attend(q, keys, values, mask, sm_scale, out)

@@ -1,0 +1,290 @@
+"""decode_attention (docs/design.md op 3): reference vs an independent naive computation, Triton (the
+interpreter on the CPU) vs reference, argument checks, and an H200 compile check that needs no GPU.
+
+Caches are built with kernels/packing.py directly: each row's keys/values are quantized page by page into
+random page ids (a permuted, non-identity block table), the residual ring holds tokens [nq, L) at slot t % R.
+Every byte no row owns (unused pages, trailing groups of a row's last page, unused ring slots, block-table
+entries past a row's pages) is poisoned with NaN / garbage, so reading anything outside [0, L) fails.
+
+Tolerances (max |out - ref| over outputs of magnitude ~1): fp32 2e-5; fp16 6e-3 (keys, values and
+probabilities are rounded to fp16 for tl.dot); bf16 4e-2 (the same in bf16; GPU only, the interpreter
+computes bf16 arithmetic wrongly so there bf16 dots run in fp32 and the tolerance is loose).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels are imported (conftest does it first)
+
+import math  # noqa: E402
+import zlib  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels import packing  # noqa: E402
+from kernels.decode_attention import decode_attention, kernel, reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 6e-2}
+torch.set_num_threads(1)
+
+
+@dataclass
+class Case:
+    lens: tuple[int, ...]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    k_bits: int
+    v_bits: int
+    page_size: int = 128
+    group_size: int = 32
+    residual: int = 128
+    dtype: torch.dtype = torch.float32
+    num_splits: int | None = None
+    block_n: int | None = None
+    use_dot: bool | None = None
+
+    @property
+    def id(self) -> str:
+        t = "T" + "_".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"T{self.lens[0]}"
+        extra = "" if self.page_size == 128 else f"-P{self.page_size}"
+        extra += "" if self.residual == 128 else f"-R{self.residual}"
+        extra += "" if self.num_splits is None else f"-S{self.num_splits}"
+        extra += "" if self.block_n is None else f"-N{self.block_n}"
+        extra += "" if self.use_dot is None else ("-dot" if self.use_dot else "-bcast")
+        dt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
+        return (f"B{len(self.lens)}-{t}-Hq{self.q_heads}-H{self.kv_heads}-D{self.head_dim}"
+                f"-k{self.k_bits}v{self.v_bits}{extra}-{dt}")
+
+
+def seeded(key: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(key.encode()))
+
+
+def build_cache(case: Case, gen: torch.Generator):
+    """Quantized KIVI cache of the rows of `case` + the dequantized keys/values of each row in token order."""
+    G, R, P, D, H = case.group_size, case.residual, case.page_size, case.head_dim, case.kv_heads
+    kb, vb, dt = case.k_bits, case.v_bits, case.dtype
+    B = len(case.lens)
+    S = B + 2
+    nqs = [G * math.ceil(max(0, L - R) / G) for L in case.lens]
+    npages = [-(-nq // P) for nq in nqs]
+    N = sum(npages) + 3
+    max_pages = max(npages) + 2
+    cache = dict(
+        k_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P * kb // 32, D), generator=gen, dtype=torch.int32),
+        k_scale=torch.full((N, H, P // G, D), math.nan, dtype=dt),
+        k_zero=torch.full((N, H, P // G, D), math.nan, dtype=dt),
+        v_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P, D * vb // 32), generator=gen, dtype=torch.int32),
+        v_scale=torch.full((N, H, P, D // G), math.nan, dtype=dt),
+        v_zero=torch.full((N, H, P, D // G), math.nan, dtype=dt),
+        k_res=torch.full((S, H, R, D), math.nan, dtype=dt),
+        v_res=torch.full((S, H, R, D), math.nan, dtype=dt),
+    )
+    block_table = torch.randint(N + 7, 2**20, (S, max_pages), generator=gen, dtype=torch.int32)  # garbage
+    slots = torch.randperm(S, generator=gen)[:B].int()
+    free_pages = torch.randperm(N, generator=gen).tolist()
+    rows = []
+    for b, L in enumerate(case.lens):
+        # KIVI-like keys: per-channel offsets and spread; values plain
+        chan = torch.randn(H, 1, D, generator=gen) * 2
+        keys = (torch.randn(H, L, D, generator=gen) * (1 + chan.abs()) + chan).to(dt)
+        values = torch.randn(H, L, D, generator=gen).to(dt)
+        nq, n_p, s = nqs[b], npages[b], int(slots[b])
+        deq_k = deq_v = torch.zeros(H, 0, D)
+        if n_p:
+            pad = torch.zeros(H, n_p * P, D, dtype=dt)
+            pk, pv = pad.clone(), pad.clone()
+            pk[:, :nq], pv[:, :nq] = keys[:, :nq], values[:, :nq]
+            kc, ks, kz = packing.quantize_keys(pk.view(H, n_p, P, D), kb, G)
+            vc, vs, vz = packing.quantize_values(pv.view(H, n_p, P, D), vb, G)
+            deq_k = packing.dequantize_keys(kc, ks, kz, kb, G).reshape(H, n_p * P, D)[:, :nq]
+            deq_v = packing.dequantize_values(vc, vs, vz, vb, G).reshape(H, n_p * P, D)[:, :nq]
+            # poison the groups / tokens of the last page that lie past nq
+            tail = nq - (n_p - 1) * P
+            ks[:, -1, tail // G:], kz[:, -1, tail // G:] = math.nan, math.nan
+            vs[:, -1, tail:], vz[:, -1, tail:] = math.nan, math.nan
+            ids = [free_pages.pop() for _ in range(n_p)]
+            block_table[s, :n_p] = torch.tensor(ids, dtype=torch.int32)
+            for name, x in (("k_codes", kc), ("k_scale", ks), ("k_zero", kz),
+                            ("v_codes", vc), ("v_scale", vs), ("v_zero", vz)):
+                cache[name][ids] = x.transpose(0, 1)
+        ring = torch.arange(nq, L) % R
+        cache["k_res"][s][:, ring] = keys[:, nq:]
+        cache["v_res"][s][:, ring] = values[:, nq:]
+        rows.append((torch.cat([deq_k, keys[:, nq:].float()], 1), torch.cat([deq_v, values[:, nq:].float()], 1)))
+    seq_lens = torch.tensor(case.lens, dtype=torch.int32)
+    tensors = {k: v.to(DEVICE) for k, v in cache.items()}
+    tensors.update(block_table=block_table.to(DEVICE), slots=slots.to(DEVICE), seq_lens=seq_lens.to(DEVICE))
+    return tensors, rows
+
+
+def naive_attention(q: torch.Tensor, rows, sm_scale: float) -> torch.Tensor:
+    """Per row: plain softmax attention over its dequantized tokens in order (zeros for an empty row)."""
+    B, Hq, D = q.shape
+    out = torch.zeros(B, Hq, D)
+    for b, (keys, values) in enumerate(rows):
+        if keys.shape[1] == 0:
+            continue
+        qg = Hq // keys.shape[0]
+        k = keys.repeat_interleave(qg, 0)  # [Hq, L, D]
+        v = values.repeat_interleave(qg, 0)
+        p = torch.softmax((q[b].float()[:, None, :] @ k.transpose(1, 2)).squeeze(1) * sm_scale, -1)
+        out[b] = (p[:, None, :] @ v).squeeze(1)
+    return out
+
+
+def make_inputs(case: Case):
+    gen = seeded(case.id)
+    cache, rows = build_cache(case, gen)
+    q = torch.randn(len(case.lens), case.q_heads, case.head_dim, generator=gen).to(case.dtype).to(DEVICE)
+    return q, cache, rows
+
+
+def run(fn, case: Case, q, cache, out=None, **tuning):
+    return fn(
+        q, cache["k_codes"], cache["k_scale"], cache["k_zero"], cache["v_codes"], cache["v_scale"],
+        cache["v_zero"], cache["k_res"], cache["v_res"], cache["block_table"], cache["slots"],
+        cache["seq_lens"], sm_scale=case.head_dim ** -0.5, k_bits=case.k_bits, v_bits=case.v_bits,
+        group_size=case.group_size, residual_length=case.residual, page_size=case.page_size, out=out, **tuning,
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    diff = (actual.float().cpu() - expected.float().cpu()).abs()
+    assert not diff.isnan().any(), f"{what}: NaN in output at {diff.isnan().nonzero()[:5].tolist()}"
+    worst = diff.max().item()
+    assert worst <= tol, (
+        f"{what}: max |diff| {worst:.3g} > {tol:.3g} (mean {diff.mean().item():.3g}) at "
+        f"{list(divmod(diff.argmax().item(), diff.shape[-1]))}"
+    )
+
+
+# Reference vs naive: every odd shape (cheap).
+REF_CASES = [
+    Case((1,), 4, 4, 64, 2, 2),
+    Case((31, 0, 33), 8, 2, 64, 2, 4),
+    Case((127, 129, 160), 9, 3, 64, 4, 2),
+    Case((200, 1000, 161), 8, 1, 128, 2, 2),
+    Case((300, 257), 4, 2, 64, 4, 4, page_size=64),
+    Case((500,), 3, 3, 128, 2, 4, group_size=64, residual=192, page_size=64),
+    Case((129, 1000), 8, 2, 64, 2, 2, dtype=torch.float16),
+    Case((1000, 5), 4, 4, 64, 4, 2, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", REF_CASES, ids=lambda c: c.id)
+def test_reference_matches_naive(case: Case):
+    q, cache, rows = make_inputs(case)
+    expected = naive_attention(q.cpu(), rows, case.head_dim ** -0.5)
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
+    got = run(reference.decode_attention, case, q, cache, out=out)
+    assert got is out
+    assert_close(got, expected, 1e-5 if case.dtype == torch.float32 else TOL[case.dtype], case.id)
+    for b, L in enumerate(case.lens):
+        if L == 0:
+            assert (got[b] == 0).all()
+
+
+# Triton (interpreter on the CPU) vs reference.
+KERNEL_CASES = [
+    Case((1,), 4, 4, 64, 2, 2),
+    Case((31, 0, 33), 8, 2, 64, 2, 4, num_splits=4),  # more splits than blocks: empty splits
+    Case((127, 129, 200), 9, 3, 64, 4, 2, num_splits=3),
+    Case((1000,), 8, 1, 128, 2, 2, num_splits=4),
+    Case((1000, 161), 8, 1, 128, 2, 2),
+    Case((257, 300), 4, 4, 64, 4, 4, page_size=64, num_splits=2),
+    Case((200, 33, 0), 4, 2, 64, 2, 4, block_n=32),
+    Case((700, 129), 2, 2, 128, 4, 2, use_dot=False, num_splits=2),
+    Case((260,), 3, 1, 64, 2, 2, use_dot=False),
+    Case((1000,), 4, 1, 64, 2, 4, use_dot=True, dtype=torch.float16, num_splits=2),
+    Case((129, 0, 31), 8, 2, 64, 4, 4, dtype=torch.float16),
+    Case((500, 64), 2, 1, 64, 2, 2, dtype=torch.bfloat16, num_splits=2),
+    Case((500, 150), 4, 2, 128, 2, 4, group_size=64, residual=192, page_size=128, dtype=torch.float16),
+    Case((333, 17), 2, 2, 64, 4, 2, group_size=16, residual=48, page_size=64, num_splits=2),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.id)
+def test_kernel_matches_reference(case: Case):
+    q, cache, _ = make_inputs(case)
+    expected = run(reference.decode_attention, case, q, cache)
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
+    tuning = dict(num_splits=case.num_splits, block_n=case.block_n, use_dot=case.use_dot)
+    got = run(decode_attention, case, q, cache, out=out, **tuning)
+    assert got is out
+    assert_close(got, expected, TOL[case.dtype], case.id)
+    for b, L in enumerate(case.lens):
+        if L == 0:
+            assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
+
+
+def test_kernel_noncontiguous_query_and_fresh_output():
+    case = Case((150, 40), 8, 2, 64, 2, 2)
+    q, cache, _ = make_inputs(case)
+    q_strided = torch.randn(2, 64, 8, generator=seeded("q"), device=DEVICE).transpose(1, 2)  # [B, Hq, D]
+    q_strided = torch.empty(2, 8, 128, device=DEVICE)[:, :, :64].copy_(q)
+    assert not q_strided.is_contiguous()
+    expected = run(reference.decode_attention, case, q, cache)
+    assert_close(run(decode_attention, case, q_strided, cache), expected, TOL[case.dtype], "strided q")
+
+
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (lambda a: a.update(q=a["q"][:, :7]), ValueError, "q has 7 heads"),
+        (lambda a: a.update(k_codes=a["k_codes"][:, :, :3]), ValueError, "k_codes has shape"),
+        (lambda a: a.update(v_scale=a["v_scale"].half()), TypeError, "v_scale has dtype"),
+        (lambda a: a.update(slots=a["slots"].long()), TypeError, "slots has dtype"),
+        (lambda a: a.update(seq_lens=a["seq_lens"][:1]), ValueError, "seq_lens has shape"),
+        (lambda a: a.update(k_res=a["k_res"].transpose(2, 3)), ValueError, "k_res has shape"),
+    ],
+    ids=["q-heads", "k_codes-shape", "v_scale-dtype", "slots-dtype", "seq_lens-shape", "k_res-shape"],
+)
+def test_launcher_rejects_bad_arguments(mutate, error, match):
+    case = Case((40, 50), 8, 2, 64, 2, 2)
+    q, cache, _ = make_inputs(case)
+    args = dict(q=q, **{k: v for k, v in cache.items()})
+    mutate(args)
+    with pytest.raises(error, match=match):
+        run(decode_attention, case, args.pop("q"), args)
+
+
+def test_choose_num_splits():
+    from kernels.decode_attention.common import choose_num_splits
+
+    cpu = torch.device("cpu")
+    assert choose_num_splits(64 * 8, 4096, cpu) == 1  # enough programs already
+    assert choose_num_splits(1 * 8, 32768, cpu) == 32  # one row, long context: many splits
+    assert choose_num_splits(1 * 8, 512, cpu) == 2  # short context caps the split count
+    assert choose_num_splits(8 * 8, 4096, cpu) == 5
+
+
+def test_kernels_compile_for_h200():
+    from tests.compile_util import compile_for_sm90_many
+
+    common = dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, HEAD_DIM=128, BLOCK_N=64,
+                  NUM_SPLITS=4, INPUT_PRECISION=None, USE_ASM=True)
+    variants = [
+        dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.bfloat16, q="*bf16", cache="bf16"),
+        dict(common, QG=1, QG_PAD=1, USE_DOT=False, DOT_DTYPE=tl.float32, q="*fp16", cache="fp16",
+             K_BITS=4, V_BITS=4, NUM_SPLITS=1),
+        dict(common, QG=3, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.float16, q="*fp16", cache="fp16", HEAD_DIM=64,
+             V_BITS=4, BLOCK_N=128),
+    ]
+    specs = []
+    for v in variants:
+        q_ty, cache_ty = v.pop("q"), v.pop("cache")
+        o_ty = "*fp32" if v["NUM_SPLITS"] > 1 else q_ty
+        ptrs = dict(q_ptr=q_ty, kc_ptr="*i32", ks_ptr="*" + cache_ty, kz_ptr="*" + cache_ty, vc_ptr="*i32",
+                    vs_ptr="*" + cache_ty, vz_ptr="*" + cache_ty, kr_ptr="*" + cache_ty, vr_ptr="*" + cache_ty,
+                    block_table_ptr="*i32", slots_ptr="*i32", seq_lens_ptr="*i32", o_ptr=o_ty,
+                    lse_ptr="*fp32", QK_SCALE="fp32")
+        specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=8 if v["QG"] == 1 else 4)))
+    specs.append((kernel._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
+                  dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
+    for result in compile_for_sm90_many(specs):
+        assert result["cubin_bytes"] > 0, result
