@@ -64,7 +64,11 @@ def _resolve_source(model: str, gguf_file: str | None) -> tuple[str, dict]:
     try:
         log.info("dequantizing %s/%s once into %s", model, gguf_file, cached)
         tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file).save_pretrained(tmp)
+        lm = AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file)
+        lm.hf_quantizer = None  # weights are already dequantized: save them as a plain checkpoint
+        if hasattr(lm.config, "quantization_config"):
+            del lm.config.quantization_config
+        lm.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(model, gguf_file=gguf_file).save_pretrained(tmp)
         os.replace(tmp, cached) if not cached.exists() else None
         return str(cached), {}

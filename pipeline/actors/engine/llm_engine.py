@@ -180,6 +180,7 @@ class LLMEngine:
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
         if len(seqs) == 1 and self.scheduler.prefill_tokens <= len(seqs[0].request.prompt_token_ids):
+            self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
             results[seqs[0].index] = self._error(seqs[0].request, "CUDA out of memory for this request alone")
             return

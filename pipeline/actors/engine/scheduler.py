@@ -47,11 +47,12 @@ class Scheduler:
         return out or self.running[:]
 
     def shrink(self, seqs: list[Sequence]) -> None:
-        """Requeue `seqs` from scratch at the front and halve the prefill budget."""
+        """Requeue `seqs` from scratch at the front; the next prefill gets at most half their tokens."""
         for seq in reversed(seqs):
             self.blocks.release(seq)
             if seq in self.running:
                 self.running.remove(seq)
             seq.output, seq.t_first, seq.finish_reason, seq.text = [], None, None, ""
             self.waiting.appendleft(seq)
-        self.prefill_tokens = max(1, self.prefill_tokens // 2)
+        padded = max(s.prompt_len for s in seqs) * len(seqs)
+        self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)

@@ -1,0 +1,175 @@
+"""The generation engine on the CPU: continuous batching against transformers' own generate."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+import kivi
+from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from pipeline.actors.engine.block_manager import BlockManager
+from pipeline.actors.engine.memory import plan_cache
+from pipeline.actors.engine.request import Sequence
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+VOCAB = 101
+
+
+class StubTokenizer:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         eos_token_id=None, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt: list[int], n: int, cache) -> tuple[list[int], int]:
+    """Greedy tokens of generate(), and how many of them are decided by a clear margin: past the first
+    near-tie (top-2 logits within 1e-4), rounding differences of batched matmuls may pick either token."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **{name: cache})
+    clear = 0
+    for logits in out.logits:
+        top2 = logits[0].float().topk(2).values
+        if top2[0] - top2[1] < 1e-4:
+            break
+        clear += 1
+    return out.sequences[0, len(prompt):].tolist(), clear
+
+
+def requests(lengths, new_tokens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(f"r{i}", torch.randint(0, VOCAB, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=m))
+            for i, (n, m) in enumerate(zip(lengths, new_tokens, strict=True))]
+
+
+SMALL_KIVI = kivi.KiviConfig(group_size=16, residual_length=32, page_size=32)
+
+
+@pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
+def test_continuous_batching_matches_generate(tiny, cache_kind):
+    """More requests than slots, ragged lengths: every completion equals generate() run alone with the
+    same cache semantics (KiviCache for KIVI, the default cache for the full-precision engine)."""
+    reqs = requests([5, 40, 17, 33, 61, 9, 26], [30, 12, 45, 20, 8, 50, 3])
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI if cache_kind == "kivi" else None,
+                                                           max_batch_size=3, page_size=16))
+    out = engine.generate(reqs)
+    assert [c.request_id for c in out] == [r.request_id for r in reqs]
+    decided = 0
+    for req, comp in zip(reqs, out, strict=True):
+        cache = kivi.KiviCache(tiny.config, SMALL_KIVI) if cache_kind == "kivi" else DynamicCache(config=tiny.config)
+        expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens, cache)
+        assert len(comp.token_ids) == len(expected)
+        assert comp.token_ids[: clear + 1] == expected[: clear + 1], f"{req.request_id} differs"
+        decided += clear
+        assert comp.finish_reason == "length" and comp.num_input_tokens == len(req.prompt_token_ids)
+        assert comp.ttft_s is not None and comp.ttft_s >= 0
+    assert decided > 0.8 * sum(r.sampling.max_new_tokens for r in reqs)  # near-ties are rare
+    stats = engine.stats()
+    assert stats["max_in_flight"] == 3 and stats["decode_steps"] > 0
+    assert 0 < stats["kv_cache_bytes"] and 0 < stats["kv_cache_bytes_bf16"]
+    assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+    prompt = list(range(10, 30))
+    alone = engine.generate([Request("a", prompt, params)])[0].token_ids
+    crowd = requests([15, 40, 22], [25, 25, 25], seed=5)
+    mixed = engine.generate(crowd[:2] + [Request("a", prompt, params)] + crowd[2:])[2].token_ids
+    other_seed = engine.generate([Request("a", prompt, SamplingParams(**{**params.__dict__, "seed": 99}))])[0]
+    greedy_k1 = engine.generate([Request("g", prompt, SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1))])
+    assert alone == mixed
+    assert other_seed.token_ids != alone
+    assert greedy_k1[0].token_ids == engine.generate([Request("g", prompt, SamplingParams(max_new_tokens=20))])[
+        0].token_ids
+
+
+def test_bad_requests_become_error_rows(tiny):
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_model_len=64))
+    reqs = [Request("empty", []), Request("long", list(range(70))), Request("ok", list(range(1, 11)),
+                                                                            SamplingParams(max_new_tokens=100))]
+    out = engine.generate(reqs)
+    assert [c.finish_reason for c in out] == ["error", "error", "length"]
+    assert "empty" in out[0].error and "64" in out[1].error
+    assert len(out[2].token_ids) == 64 - 10  # capped by the context, not by max_new_tokens
+
+
+def test_stop_strings_and_eos(tiny):
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
+    base = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30))])[0]
+    stop = base.text[10:12]
+    first = base.text.find(stop)
+    cut = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30, stop=(stop,)))])[0]
+    assert cut.finish_reason == "stop" and cut.text == base.text[:first]
+    engine.eos_ids = {base.token_ids[4]}
+    eos = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30))])[0]
+    k = base.token_ids.index(base.token_ids[4])
+    assert eos.finish_reason == "stop" and eos.token_ids == base.token_ids[:k]
+
+
+def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    reqs = requests([12, 30, 7, 19], [10, 10, 10, 10])
+    expected = [c.token_ids for c in engine.generate(reqs)]
+    real_prefill, calls = engine.runner.prefill, []
+
+    def flaky(prompts, slots):
+        calls.append(len(prompts))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("simulated")
+        return real_prefill(prompts, slots)
+
+    monkeypatch.setattr(engine.runner, "prefill", flaky)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine.reset_stats()
+    out = engine.generate(reqs)
+    assert [c.token_ids for c in out] == expected
+    assert engine.stats()["oom_retries"] == 1 and calls[0] == 4 and max(calls[1:]) < 4
+
+
+def test_memory_plan_splits_budget_into_slots_and_pages():
+    plan = plan_cache(limit_bytes=10_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
+                      pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8)
+    assert plan.num_slots == 7000 // 700 and plan.num_pages == (7000 - 10 * 300) // 100
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_cache(limit_bytes=1_000, used_bytes=900, workspace_bytes=0, page_bytes=100, slot_bytes=50,
+                   pages_per_seq=4, max_batch=8, min_pages=5, max_pages_per_slot=8)
+
+
+def test_block_manager_never_hands_out_a_page_twice():
+    blocks = BlockManager(num_slots=3, num_pages=10, pages_for=lambda n: -(-n // 8))
+    seqs = [Sequence.start(i, Request(str(i), [1] * 10, SamplingParams(max_new_tokens=15)), 15) for i in range(4)]
+    admitted = [s for s in seqs if blocks.can_admit(s) and not blocks.admit(s)]
+    assert len(admitted) == 3  # 3 pages each: 10 pages, 3 slots
+    held = [p for s in admitted for p in s.pages]
+    assert len(held) == len(set(held)) == 9 and not blocks.can_admit(seqs[3])
+    blocks.release(admitted[0])
+    assert blocks.can_admit(seqs[3])
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
+                                 dict(stop="x"), dict(seed=1.5)])
+def test_sampling_params_reject_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams.from_dict({"temprature": 1.0})
