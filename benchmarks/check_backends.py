@@ -1,0 +1,148 @@
+"""Triton backend against the reference backend on a GPU, through whole models (issue: KIVI core).
+
+For a SmolLM2-135M-shaped and a Llama-2-7B-shaped model with random bf16 weights: a ragged,
+left-padded batch is prefilled, then decoded with teacher forcing for a number of steps through
+`kivi.KiviCache`, once with each backend; we report the largest logit difference relative to
+the logits' scale and the top-1 agreement. Then the engine (Triton, CUDA graphs) is checked
+against `model.generate` with the KiviCache on the reference backend. Prints one JSON object last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import time
+import warnings
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import kivi
+from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
+
+warnings.filterwarnings("ignore")
+
+DEVICE = "cuda"
+SHAPES = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=500, max_position_embeddings=2048),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192),
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096),
+}
+
+
+def build(shape: str):
+    config = LlamaConfig(**SHAPES[shape], eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=torch.bfloat16)
+    for p in model.parameters():  # default init gives near-uniform logits; widen them so top-1 means something
+        p.data.mul_(2.0) if p.dim() == 2 else None
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def cache_kw(model, cache):
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+@torch.inference_mode()
+def teacher_forced(model, ids, mask, next_ids, backend: str, bits: int) -> torch.Tensor:
+    """Prefill ids [B, T], then feed next_ids [B, S] one column at a time: logits [B, S + 1, V]."""
+    cache = kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits, backend=backend))
+    kw = cache_kw(model, cache)
+    logits = [model(input_ids=ids, attention_mask=mask, **kw).logits[:, -1:]]
+    for t in range(next_ids.shape[1]):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits.append(model(input_ids=next_ids[:, t : t + 1], attention_mask=mask, **kw).logits[:, -1:])
+    return torch.cat(logits, 1).float()
+
+
+def compare_backends(model, lengths, steps, bits) -> dict:
+    width = max(lengths)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (len(lengths), width), generator=gen).to(DEVICE)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    next_ids = torch.randint(0, model.config.vocab_size, (len(lengths), steps), generator=gen).to(DEVICE)
+    t0 = time.perf_counter()
+    tri = teacher_forced(model, ids, mask, next_ids, "triton", bits)
+    t1 = time.perf_counter()
+    ref = teacher_forced(model, ids, mask, next_ids, "reference", bits)
+    t2 = time.perf_counter()
+    scale = ref.abs().amax().item()
+    return dict(bits=bits, lengths=lengths, steps=steps, max_abs_diff=(tri - ref).abs().amax().item(),
+                logit_scale=scale, rel_diff=(tri - ref).abs().amax().item() / scale,
+                top1_agreement=(tri.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                triton_s=t1 - t0, reference_s=t2 - t1)
+
+
+@torch.inference_mode()
+def compare_engine(model, lengths, new_tokens, bits) -> dict:
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+    class Tok:
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    kc = kivi.KiviConfig(k_bits=bits, v_bits=bits)
+    engine = LLMEngine(model, Tok(), EngineConfig(kivi=kc, max_batch_size=8, memory_limit_gib=60))
+    t0 = time.perf_counter()
+    done = engine.generate([Request(str(i), p, SamplingParams(max_new_tokens=new_tokens)) for i, p in
+                            enumerate(prompts)])
+    engine_s = time.perf_counter() - t0
+    agree, total = 0, 0
+    for p, c in zip(prompts, done, strict=True):
+        ids = torch.tensor([p], device=DEVICE)
+        cache = kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits, backend="reference"))
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, **cache_kw(model, cache))[0, len(p):].tolist()
+        first_diff = next((i for i, (a, b) in enumerate(zip(c.token_ids, ref, strict=True)) if a != b), len(ref))
+        agree += first_diff
+        total += len(ref)
+    stats = engine.stats()
+    return dict(bits=bits, lengths=lengths, new_tokens=new_tokens, tokens_before_first_divergence=agree / total,
+                engine_s=engine_s, decode_steps=stats["decode_steps"], ms_per_step=1e3 * stats["decode_s"] /
+                max(1, stats["decode_steps"]), graphs=len(engine.runner.graphs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="smollm2-135m,llama2-7b")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_backends.json"))
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    header = dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__,
+                  transformers=__import__("transformers").__version__, triton=__import__("triton").__version__)
+    records = []
+    for shape in args.shapes.split(","):
+        model = build(shape)
+        for bits in (2, 4):
+            rec = dict(shape=shape, check="backends", **compare_backends(model, [700, 333, 129], args.steps, bits))
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+        rec = dict(shape=shape, check="engine_vs_generate", **compare_engine(model, [300, 150, 520, 64], 40, 2))
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(header=header, records=records), f, indent=1)
+    print(json.dumps(dict(header=header, records=records)))
+
+
+if __name__ == "__main__":
+    main()
