@@ -8,13 +8,15 @@ tl.dot), bf16 3e-2 (GPU only: the interpreter runs bf16 dots in fp32).
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels are imported (conftest does it first)
+import torch
+
+if not torch.cuda.is_available():  # before kernels are imported (conftest does it first); a GPU runs them compiled
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 import zlib  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels.paged_attention import kernel, ops, reference  # noqa: E402

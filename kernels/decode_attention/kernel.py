@@ -188,17 +188,23 @@ def _dequantize_words(words, mult, offset, BITS: tl.constexpr, DEQ_DTYPE: tl.con
     p1 = _code_pair(words, 1, BITS, DEQ_DTYPE, USE_ASM)
     p2 = _code_pair(words, 2, BITS, DEQ_DTYPE, USE_ASM)
     p3 = _code_pair(words, 3, BITS, DEQ_DTYPE, USE_ASM)
-    # tl.join appends a minor dim: these leaf orders make the joined dims count k = 0, 1, ...
+    # tl.join appends a minor dim: these leaf orders make the joined dims count k = 0, 1, ...; the pair
+    # halves (a) stay the minor dim, so each register pair keeps its two codes
+    l0, h0 = tl.split(p0)
+    l1, h1 = tl.split(p1)
+    l2, h2 = tl.split(p2)
+    l3, h3 = tl.split(p3)
     if BITS == 4:
-        codes = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [R, C, a, k1, k0]
-        codes = tl.permute(codes, (0, 1, 3, 4, 2))
+        lo = tl.join(tl.join(l0, l2), tl.join(l1, l3))  # [R, C, k1, k0]
+        hi = tl.join(tl.join(h0, h2), tl.join(h1, h3))
     else:
-        p4 = _code_pair(words, 4, BITS, DEQ_DTYPE, USE_ASM)
-        p5 = _code_pair(words, 5, BITS, DEQ_DTYPE, USE_ASM)
-        p6 = _code_pair(words, 6, BITS, DEQ_DTYPE, USE_ASM)
-        p7 = _code_pair(words, 7, BITS, DEQ_DTYPE, USE_ASM)
-        codes = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
-        codes = tl.permute(codes, (0, 1, 3, 4, 5, 2))  # [R, C, k2, k1, k0, a]
+        l4, h4 = tl.split(_code_pair(words, 4, BITS, DEQ_DTYPE, USE_ASM))
+        l5, h5 = tl.split(_code_pair(words, 5, BITS, DEQ_DTYPE, USE_ASM))
+        l6, h6 = tl.split(_code_pair(words, 6, BITS, DEQ_DTYPE, USE_ASM))
+        l7, h7 = tl.split(_code_pair(words, 7, BITS, DEQ_DTYPE, USE_ASM))
+        lo = tl.join(tl.join(tl.join(l0, l4), tl.join(l2, l6)), tl.join(tl.join(l1, l5), tl.join(l3, l7)))
+        hi = tl.join(tl.join(tl.join(h0, h4), tl.join(h2, h6)), tl.join(tl.join(h1, h5), tl.join(h3, h7)))
+    codes = tl.join(lo, hi)  # [R, C, k..., a]
     codes = tl.reshape(codes, (words.shape[0], words.shape[1], PER_WORD))
     return codes * mult[:, :, None] + offset[:, :, None]
 
