@@ -16,7 +16,7 @@ from pipeline import stats
 from pipeline.actors.actor import GenerateActor, model_location
 from pipeline.config import JobConfig
 from pipeline.io import InputPlan, Shard, plan_input, read_dataset
-from pipeline.sink import STATS_DIR, OutputStore, ShardAssembler
+from pipeline.sink import OutputStore, ShardAssembler
 
 log = logging.getLogger("kivi_ray")
 
@@ -48,9 +48,8 @@ def run(job: JobConfig) -> dict[str, Any]:
         assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo)
     )
     log.info("%s", stats.format_summary(summary))
-    summary_path = f"{store.root}/{STATS_DIR}/summary.json"
-    store.write_text(summary_path, stats.summary_json(summary, job.to_dict()))
-    log.info("wrote %d shards to %s (summary: %s)", assembler.shards_written, job.output, summary_path)
+    store.write_text(store.summary_path(), stats.summary_json(summary, job.to_dict()))
+    log.info("wrote %d shards to %s (summary: %s)", assembler.shards_written, job.output, store.summary_path())
     return summary
 
 
