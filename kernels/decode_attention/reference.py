@@ -78,24 +78,42 @@ def decode_attention(
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
     del num_splits, block_n, use_dot
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()
     slots = torch.where(seq_lens > 0, slots.long(), torch.zeros_like(slots.long()))  # inactive rows: any slot
     nq = quantized_lengths(seq_lens, group_size, residual_length)  # [B]
     n_pages = -(-int(nq.max()) // page_size) if nq.numel() else 0
+    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)  # GQA: [B, H, QG, D]
+    zero = torch.zeros((), device=q.device)
 
-    # packed tokens [0, n_pages * P): dequantized pages in token order, masked past nq
+    # packed tokens [0, n_pages * P) of each row, in page layout [B, n_pages, H, P, D]. Scales and zeros of
+    # tokens past nq are zeroed first (small tensors), so garbage in unused memory never gets through.
     pages = gather_pages(block_table, slots, n_pages, k_codes.shape[0])  # [B, n_pages]
-    keys = pages_to_tokens(dequantize_keys(k_codes[pages], k_scale[pages], k_zero[pages], k_bits, group_size))
-    values = pages_to_tokens(
-        dequantize_values(v_codes[pages], v_scale[pages], v_zero[pages], v_bits, group_size)
-    )
-    packed_mask = torch.arange(n_pages * page_size, device=q.device)[None, :] < nq[:, None]  # [B, nP]
+    tok = torch.arange(n_pages * page_size, device=q.device).view(n_pages, page_size)
+    packed = tok[None] < nq[:, None, None]  # [B, n_pages, P]
+    groups = packed[:, :, ::group_size, None, None].transpose(2, 3)  # [B, n_pages, 1, P / G, 1]
+    rows = packed[:, :, None, :, None]  # [B, n_pages, 1, P, 1]
+    keys = dequantize_keys(k_codes[pages], torch.where(groups, k_scale[pages].float(), zero),
+                           torch.where(groups, k_zero[pages].float(), zero), k_bits, group_size)
+    values = dequantize_values(v_codes[pages], torch.where(rows, v_scale[pages].float(), zero),
+                               torch.where(rows, v_zero[pages].float(), zero), v_bits, group_size)
+    s_packed = torch.einsum("bhgd,bnhpd->bhgnp", qf, keys).flatten(-2)  # [B, H, QG, n_pages * P]
 
     # residual ring [R): slot j valid iff it holds a token of [nq, L)
-    mask = torch.cat([packed_mask, ring_mask(seq_lens, nq, residual_length)], dim=1)  # [B, T]
-    keys = torch.cat([keys, k_res[slots].float()], dim=2)
-    values = torch.cat([values, v_res[slots].float()], dim=2)
-    zero = torch.zeros((), device=q.device)
-    keys = torch.where(mask[:, None, :, None], keys, zero)  # never let garbage (NaN) in unused memory through
-    values = torch.where(mask[:, None, :, None], values, zero)
-    return attend(q, keys, values, mask, sm_scale, out)
+    ring = ring_mask(seq_lens, nq, residual_length)  # [B, R]
+    k_ring = torch.where(ring[:, None, :, None], k_res[slots].float(), zero)  # [B, H, R, D]
+    v_ring = torch.where(ring[:, None, :, None], v_res[slots].float(), zero)
+    s_ring = torch.matmul(qf, k_ring.transpose(-1, -2))  # [B, H, QG, R]
+
+    # one softmax over both; rows without keys -> zeros
+    mask = torch.cat([packed.flatten(1), ring], dim=1)  # [B, T]
+    scores = (torch.cat([s_packed, s_ring], dim=-1) * sm_scale).masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    n_packed = n_pages * page_size
+    result = torch.einsum("bhgnp,bnhpd->bhgd", probs[..., :n_packed].unflatten(-1, (n_pages, page_size)), values)
+    result = (result + torch.matmul(probs[..., n_packed:], v_ring)).view(batch, q_heads, head_dim)
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out
