@@ -17,7 +17,7 @@ import time
 import warnings
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import kivi
 from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
@@ -40,8 +40,6 @@ def build(shape: str):
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=torch.bfloat16)
-    for p in model.parameters():  # default init gives near-uniform logits; widen them so top-1 means something
-        p.data.mul_(2.0) if p.dim() == 2 else None
     model.generation_config.eos_token_id = None
     return model.eval()
 
@@ -52,9 +50,8 @@ def cache_kw(model, cache):
 
 
 @torch.inference_mode()
-def teacher_forced(model, ids, mask, next_ids, backend: str, bits: int) -> torch.Tensor:
+def teacher_forced(model, ids, mask, next_ids, cache) -> torch.Tensor:
     """Prefill ids [B, T], then feed next_ids [B, S] one column at a time: logits [B, S + 1, V]."""
-    cache = kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits, backend=backend))
     kw = cache_kw(model, cache)
     logits = [model(input_ids=ids, attention_mask=mask, **kw).logits[:, -1:]]
     for t in range(next_ids.shape[1]):
@@ -64,6 +61,9 @@ def teacher_forced(model, ids, mask, next_ids, backend: str, bits: int) -> torch
 
 
 def compare_backends(model, lengths, steps, bits) -> dict:
+    """Both backends against each other and against full precision: the Triton path is right when its
+    distance from the reference is small next to the distance quantization itself puts between KIVI and
+    full precision (2-bit codes flip on bf16 rounding, and random deep nets amplify any difference)."""
     width = max(lengths)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (len(lengths), width), generator=gen).to(DEVICE)
@@ -71,16 +71,23 @@ def compare_backends(model, lengths, steps, bits) -> dict:
     for row, n in enumerate(lengths):
         mask[row, width - n:] = 1
     next_ids = torch.randint(0, model.config.vocab_size, (len(lengths), steps), generator=gen).to(DEVICE)
+    kc = lambda backend: kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits, backend=backend))
     t0 = time.perf_counter()
-    tri = teacher_forced(model, ids, mask, next_ids, "triton", bits)
+    tri = teacher_forced(model, ids, mask, next_ids, kc("triton"))
     t1 = time.perf_counter()
-    ref = teacher_forced(model, ids, mask, next_ids, "reference", bits)
+    ref = teacher_forced(model, ids, mask, next_ids, kc("reference"))
     t2 = time.perf_counter()
-    scale = ref.abs().amax().item()
-    return dict(bits=bits, lengths=lengths, steps=steps, max_abs_diff=(tri - ref).abs().amax().item(),
-                logit_scale=scale, rel_diff=(tri - ref).abs().amax().item() / scale,
-                top1_agreement=(tri.argmax(-1) == ref.argmax(-1)).float().mean().item(),
-                triton_s=t1 - t0, reference_s=t2 - t1)
+    full = teacher_forced(model, ids, mask, next_ids, DynamicCache(config=model.config))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    top1 = lambda a, b: (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    first = slice(1, 2)  # the first decode step, before differences compound through steps
+    return dict(bits=bits, lengths=lengths, steps=steps,
+                rel_l2_triton_vs_reference=rel(tri, ref), rel_l2_triton_vs_full=rel(tri, full),
+                rel_l2_reference_vs_full=rel(ref, full),
+                first_step_rel_l2_triton_vs_reference=rel(tri[:, first], ref[:, first]),
+                first_step_rel_l2_reference_vs_full=rel(ref[:, first], full[:, first]),
+                top1_triton_vs_reference=top1(tri, ref), top1_triton_vs_full=top1(tri, full),
+                top1_reference_vs_full=top1(ref, full), triton_s=t1 - t0, reference_s=t2 - t1)
 
 
 @torch.inference_mode()
@@ -103,7 +110,7 @@ def compare_engine(model, lengths, new_tokens, bits) -> dict:
     agree, total = 0, 0
     for p, c in zip(prompts, done, strict=True):
         ids = torch.tensor([p], device=DEVICE)
-        cache = kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits, backend="reference"))
+        cache = kivi.KiviCache(model.config, kivi.KiviConfig(k_bits=bits, v_bits=bits))
         ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              do_sample=False, **cache_kw(model, cache))[0, len(p):].tolist()
         first_diff = next((i for i, (a, b) in enumerate(zip(c.token_ids, ref, strict=True)) if a != b), len(ref))

@@ -42,7 +42,9 @@ def quantize_groups(
     mn = xf.amin(dim=dim + 1, keepdim=True)
     mx = xf.amax(dim=dim + 1, keepdim=True)
     qmax = 2**bits - 1
-    scale = ((mx - mn) / qmax).to(dtype)
+    # divide by a tensor: on CUDA, torch turns division by a Python number into a multiplication by
+    # its reciprocal, which rounds differently from the kernels' true division
+    scale = ((mx - mn) / torch.tensor(float(qmax), device=x.device)).to(dtype)
     zero = mn.to(dtype)
     scale_f, zero_f = scale.float(), zero.float()
     inv = torch.where(scale_f > 0, 1.0 / scale_f, torch.zeros_like(scale_f))
