@@ -283,7 +283,7 @@ def test_kernels_compile_for_h200():
         ptrs = dict(q_ptr=q_ty, kc_ptr="*i32", ks_ptr="*" + cache_ty, kz_ptr="*" + cache_ty, vc_ptr="*i32",
                     vs_ptr="*" + cache_ty, vz_ptr="*" + cache_ty, kr_ptr="*" + cache_ty, vr_ptr="*" + cache_ty,
                     block_table_ptr="*i32", slots_ptr="*i32", seq_lens_ptr="*i32", o_ptr=o_ty,
-                    lse_ptr="*fp32", QK_SCALE="fp32")
+                    lse_ptr="*fp32", qk_scale="fp32")
         specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=8 if v["QG"] == 1 else 4)))
     specs.append((kernel._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))

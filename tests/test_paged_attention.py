@@ -191,7 +191,7 @@ def test_kernels_compile_for_h200():
     from tests.compile_util import compile_for_sm90_many
 
     decode_ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_table_ptr="*i32", slots_ptr="*i32",
-                       seq_lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", QK_SCALE="fp32")
+                       seq_lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
     store_ptrs = dict(key_ptr="*fp32", value_ptr="*fp32", block_table_ptr="*i32", slots_ptr="*i32",
                       k_pages_ptr="*bf16", v_pages_ptr="*bf16")
     specs = [

@@ -1,12 +1,18 @@
 """Triton kernels for decode attention over the KIVI cache (design.md, op 3). Only @triton.jit code.
 
 Shared with kernels/paged_attention (imported from here, never copied):
+    _load_query_group      the Hq / H query heads of one KV head, padded to QG_PAD rows
     _attend_block          one online-softmax step over a [BLOCK_N, D] tile of keys and values
     _store_partial         normalized partial output (+ log-sum-exp when the sequence is split)
     _split_range           which key blocks a split program owns
     _merge_splits_kernel   second pass: merge the splits of one row by their log-sum-exp
 
-Scores are kept in the log2 domain: the launcher passes QK_SCALE = sm_scale * log2(e) and the kernels
+The quantized kernel: grid (B, H, NUM_SPLITS); each program streams its split of the row's 128-token
+blocks (packed pages through the block table, then the residual ring), unpacks code words in registers
+(see "Unpacking" below), and feeds tensor cores (tl.dot, query group padded to 16 rows) with fp16/bf16
+tiles; nothing dequantized is ever written to memory.
+
+Scores are kept in the log2 domain: the launcher passes qk_scale = sm_scale * log2(e) and the kernels
 use exp2; every log-sum-exp in the workspace is a base-2 one.
 """
 
@@ -25,7 +31,7 @@ def _split_range(n_blocks, split, NUM_SPLITS: tl.constexpr):
 
 @triton.jit
 def _attend_block(
-    q, k_t, v, valid, m_i, l_i, acc, QK_SCALE,
+    q, k_t, v, valid, m_i, l_i, acc, qk_scale,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over BLOCK_N keys.
@@ -38,7 +44,7 @@ def _attend_block(
         s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     else:
         s = tl.sum(q[:, :, None] * k_t.to(tl.float32)[None, :, :], axis=1)
-    s = tl.where(valid[None, :], s * QK_SCALE, float("-inf"))
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     # online softmax; a row that has seen only masked keys keeps m = -inf and contributes nothing
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -288,7 +294,7 @@ def _unpermute_channels(acc, QG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BITS:
 def _decode_attention_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr,
     block_table_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    QK_SCALE,
+    qk_scale,
     stride_q_b, stride_q_h,
     stride_kc_n, stride_kc_h, stride_kc_w,
     stride_ks_n, stride_ks_h, stride_ks_g,
@@ -354,7 +360,7 @@ def _decode_attention_kernel(
             vz_ptr + page * stride_vs_n + h * stride_vs_h,
             off + tile_tok, valid, stride_vc_t, stride_vs_t, V_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
         )
-        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, QK_SCALE, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
+        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     acc = _unpermute_channels(acc, QG_PAD, HEAD_DIM, V_BITS)
 
     # stage 3: full-precision residual ring (ring order never matters)
@@ -367,7 +373,7 @@ def _decode_attention_kernel(
                       other=0.0)
         v = tl.load(vr_ptr + res_off + ring[:, None] * stride_res_t + offs_d[None, :], mask=valid[:, None],
                     other=0.0)
-        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, QK_SCALE, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
+        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
 
     # stage 4: normalized output (or split partial + log-sum-exp)
     _store_partial(

@@ -80,7 +80,7 @@ def decode_attention(
     _decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
         block_table, slots, seq_lens, o, lse,
-        QK_SCALE=float(sm_scale) * math.log2(math.e),
+        qk_scale=float(sm_scale) * math.log2(math.e),
         stride_q_b=q.stride(0), stride_q_h=q.stride(1),
         stride_kc_n=k_codes.stride(0), stride_kc_h=k_codes.stride(1), stride_kc_w=k_codes.stride(2),
         stride_ks_n=k_scale.stride(0), stride_ks_h=k_scale.stride(1), stride_ks_g=k_scale.stride(2),

@@ -11,7 +11,7 @@ from kernels.decode_attention.kernel import _attend_block, _load_query_group, _s
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    QK_SCALE,
+    qk_scale,
     stride_q_b, stride_q_h,
     stride_kv_n, stride_kv_h, stride_kv_t,
     stride_bt_s,
@@ -48,7 +48,7 @@ def _paged_decode_kernel(
         valid = offs_n < seq_len - tok
         k_t = tl.load(k_ptr + base + rows[None, :] * stride_kv_t + offs_d[:, None], mask=valid[None, :], other=0.0)
         v = tl.load(v_ptr + base + rows[:, None] * stride_kv_t + offs_d[None, :], mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, QK_SCALE, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
+        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     # stage 3: normalized output (or split partial + log-sum-exp)
     _store_partial(
         o_ptr, lse_ptr, acc, m_i, l_i, b, head0, split.to(tl.int64),

@@ -78,7 +78,7 @@ def paged_decode_attention(
     o, lse, o_strides, workspace = C.output_args(out, num_splits)
     _paged_decode_kernel[(batch, kv_heads, num_splits)](
         q, k_pages, v_pages, block_table, slots, seq_lens, o, lse,
-        QK_SCALE=float(sm_scale) * math.log2(math.e),
+        qk_scale=float(sm_scale) * math.log2(math.e),
         stride_q_b=q.stride(0), stride_q_h=q.stride(1),
         stride_kv_n=k_pages.stride(0), stride_kv_h=k_pages.stride(1), stride_kv_t=k_pages.stride(2),
         stride_bt_s=block_table.stride(0),
