@@ -88,6 +88,19 @@ def test_continuous_batching_matches_generate(tiny, cache_kind):
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots
 
 
+@pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
+def test_chunked_prefill_matches_generate(tiny, cache_kind):
+    """Prompts longer than the prefill budget go through in chunks and give generate()'s tokens."""
+    reqs = requests([75, 41], [20, 20], seed=9)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI if cache_kind == "kivi" else None,
+                                                           max_prefill_tokens=16, page_size=16))
+    for req, comp in zip(reqs, engine.generate(reqs), strict=True):
+        cache = kivi.KiviCache(tiny.config, SMALL_KIVI) if cache_kind == "kivi" else DynamicCache(config=tiny.config)
+        expected, clear = hf_greedy(tiny, req.prompt_token_ids, 20, cache)
+        assert clear > 5 and comp.token_ids[: clear + 1] == expected[: clear + 1]
+    assert engine.cache.scratch  # the chunked path really ran
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
     params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
@@ -132,11 +145,11 @@ def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
     expected = [c.token_ids for c in engine.generate(reqs)]
     real_prefill, calls = engine.runner.prefill, []
 
-    def flaky(prompts, slots):
+    def flaky(prompts, slots, chunk_tokens=None):
         calls.append(len(prompts))
         if len(calls) == 1:
             raise torch.OutOfMemoryError("simulated")
-        return real_prefill(prompts, slots)
+        return real_prefill(prompts, slots, chunk_tokens)
 
     monkeypatch.setattr(engine.runner, "prefill", flaky)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)

@@ -43,6 +43,8 @@ class EngineCache(PagedKVCache):
         self.bf16_token_bytes = 2 * kv_heads * head_dim * 2 * len(self.layers)
         self.mode = "decode"
         self.prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scratch: list[tuple[torch.Tensor, torch.Tensor]] = []  # full-precision K/V of a chunked prompt
+        self.chunk_start = 0
 
     def allocate(self, layer: KiviLayer) -> None:
         raise RuntimeError("EngineCache pools are allocated up front")
@@ -60,6 +62,39 @@ class EngineCache(PagedKVCache):
         """slots/seq_lens: [B] int32 (seq_lens include the token being decoded; 0 = padding row)."""
         self.mode = "decode"
         self.meta = BatchMeta(slots=slots, seq_lens=seq_lens, block_table=self.block_table)
+
+    def set_chunk(self, slot: torch.Tensor, start: int, end: int, max_len: int) -> None:
+        """Prefill tokens [start, end) of one long prompt: they attend to [0, end) in full precision.
+
+        slot: [1] int32. Each chunk stores the whole prefix [0, end) again (the same groups give the
+        same codes), so the cache is complete after the last chunk.
+        """
+        if not self.scratch:
+            layer = self.layers[0]
+            shape = (1, layer.num_heads, max_len, layer.head_dim)
+            self.scratch = [(torch.empty(shape, dtype=layer.dtype, device=layer.device),
+                             torch.empty(shape, dtype=layer.dtype, device=layer.device)) for _ in self.layers]
+        length = torch.tensor([end], dtype=torch.int32, device=slot.device)
+        self.set_prefill(slot, torch.zeros_like(length), length)
+        self.mode, self.chunk_start = "chunk", start
+        for layer in self.layers:  # transformers builds the causal mask from the positions already seen
+            layer.seen_tokens = start
+
+    def end_chunks(self) -> None:
+        self.mode = "decode"
+        for layer in self.layers:
+            layer.seen_tokens = 0
+
+    def update_layer(self, layer: KiviLayer, key: torch.Tensor, value: torch.Tensor):
+        if self.mode != "chunk":
+            return super().update_layer(layer, key, value)
+        k_buf, v_buf = self.scratch[layer.layer_idx]  # [1, H, max_len, D]
+        end = self.chunk_start + key.shape[2]
+        k_buf[:, :, self.chunk_start : end] = key
+        v_buf[:, :, self.chunk_start : end] = value
+        keys, values = k_buf[:, :, :end], v_buf[:, :, :end]
+        keys.kivi_step = (layer, "prefill")
+        return keys, values
 
     def begin_prefill(self, layer: KiviLayer, attention_mask, key: torch.Tensor):
         return self.prefill_rows

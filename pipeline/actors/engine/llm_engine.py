@@ -104,7 +104,8 @@ class LLMEngine:
         self.blocks = BlockManager(plan.num_slots, plan.num_pages, storage.pages_for)
         self.scheduler = Scheduler(self.blocks, cfg.max_prefill_tokens)
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs)
+        self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
+                                  max_len=self.max_model_len)
         self.plan = plan
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
 
@@ -153,7 +154,8 @@ class LLMEngine:
         try:
             for seq in batch:
                 self.cache.set_pages(seq.slot, seq.pages)
-            logits = self.runner.prefill([s.request.prompt_token_ids for s in batch], [s.slot for s in batch])
+            logits = self.runner.prefill([s.request.prompt_token_ids for s in batch], [s.slot for s in batch],
+                                         chunk_tokens=self.scheduler.prefill_tokens)
         except torch.OutOfMemoryError:
             self._out_of_memory(batch, results)
             return

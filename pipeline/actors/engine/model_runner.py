@@ -24,7 +24,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool) -> None:
+    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool, max_len: int) -> None:
+        self.max_len = max_len
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.cache = cache
@@ -44,8 +45,14 @@ class ModelRunner:
         return self.decoder(use_cache=True, **inputs).last_hidden_state
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], slots: list[int]) -> torch.Tensor:
-        """Store the prompts in the cache; returns next-token logits [B, V] (float32)."""
+    def prefill(self, prompts: list[list[int]], slots: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
+        """Store the prompts in the cache; returns next-token logits [B, V] (float32).
+
+        A lone prompt longer than chunk_tokens is prefilled in chunks of that many tokens, so the
+        activations of one forward stay bounded whatever the prompt length.
+        """
+        if len(prompts) == 1 and chunk_tokens and len(prompts[0]) > chunk_tokens:
+            return self._prefill_chunked(prompts[0], slots[0], chunk_tokens)
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -60,6 +67,19 @@ class ModelRunner:
                                position_ids=torch.arange(width, device=self.device)[None].expand(len(prompts), -1))
         last = hidden[torch.arange(len(prompts), device=self.device), length_t.long() - 1]  # [B, hidden]
         return self.lm_head(last).float()
+
+    def _prefill_chunked(self, prompt: list[int], slot: int, chunk: int) -> torch.Tensor:
+        ids = torch.tensor([prompt], device=self.device)
+        slot_t = torch.tensor([slot], dtype=torch.int32, device=self.device)
+        try:
+            for start in range(0, len(prompt), chunk):
+                end = min(start + chunk, len(prompt))
+                self.cache.set_chunk(slot_t, start, end, self.max_len)
+                hidden = self._forward(input_ids=ids[:, start:end],
+                                       position_ids=torch.arange(start, end, device=self.device)[None])
+        finally:
+            self.cache.end_chunks()
+        return self.lm_head(hidden[:, -1]).float()
 
     def _decode_graph_body(self, batch: int) -> torch.Tensor:
         self.cache.set_decode(self.slots[:batch], self.seq_lens[:batch])
