@@ -79,6 +79,14 @@ class QuantizedStorage:
         """Pages a sequence of seq_len tokens occupies."""
         return -(-self.kivi.quantized_length(seq_len) // self.kivi.page_size)
 
+    def content_bytes(self, seq_len: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one layer's data for a sequence: packed tokens at their packed size (codes, scales and
+        zero points), residual tokens at full precision."""
+        nq = self.kivi.quantized_length(seq_len)
+        packed = self.page_bytes(num_heads, head_dim, dtype) * nq // self.kivi.page_size
+        item = torch.empty((), dtype=dtype).element_size()
+        return packed + (seq_len - nq) * 2 * num_heads * head_dim * item
+
     def _ints(self) -> dict[str, int]:
         c = self.kivi
         return dict(k_bits=c.k_bits, v_bits=c.v_bits, group_size=c.group_size,
@@ -125,6 +133,9 @@ class FullStorage:
 
     def pages_for(self, seq_len: int) -> int:
         return -(-seq_len // self.page_size)
+
+    def content_bytes(self, seq_len: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return seq_len * 2 * num_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def store_prefill(self, t: dict, key, value, starts, lengths, meta: BatchMeta) -> None:
         self.ops.store_paged_prefill(key, value, starts, lengths, meta.slots, meta.block_table,

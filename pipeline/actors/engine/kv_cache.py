@@ -41,6 +41,8 @@ class EngineCache(PagedKVCache):
         self.page_bytes = storage.page_bytes(kv_heads, head_dim, dtype) * len(self.layers)
         self.slot_bytes = storage.slot_bytes(kv_heads, head_dim, dtype) * len(self.layers)
         self.bf16_token_bytes = 2 * kv_heads * head_dim * 2 * len(self.layers)
+        self.content_bytes = lambda seq_len: storage.content_bytes(seq_len, kv_heads, head_dim, dtype) * len(
+            self.layers)
         self.mode = "decode"
         self.prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scratch: list[tuple[torch.Tensor, torch.Tensor]] = []  # full-precision K/V of a chunked prompt

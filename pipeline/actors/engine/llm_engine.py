@@ -240,12 +240,13 @@ class LLMEngine:
 
     # -- stats -----------------------------------------------------------------------------
     def _record_memory(self) -> None:
+        """Peak of the cache's content: packed tokens at their packed size, residual tokens at full
+        precision (pages and slots reserved but not yet filled are free space, not content)."""
         running = self.scheduler.running
-        pages = sum(self.cache.storage.pages_for(s.cached_len) for s in running)
-        held = pages * self.cache.page_bytes + len(running) * self.cache.slot_bytes
-        tokens = sum(s.cached_len for s in running)
+        held = sum(self.cache.content_bytes(s.cached_len) for s in running)
         acc = self.stats_acc
         if held > acc["kv_cache_bytes"]:
+            tokens = sum(s.cached_len for s in running)
             acc["kv_cache_bytes"], acc["kv_cache_bytes_bf16"] = held, tokens * self.cache.bf16_token_bytes
 
     def reset_stats(self) -> None:

@@ -40,7 +40,8 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
     byte not spent on slots becomes pages, up to what the slots could ever hold.
     Raises ValueError if not even one sequence fits.
     """
-    budget = limit_bytes - used_bytes - workspace_bytes
+    margin = limit_bytes // 50 if workspace_bytes else 0  # allocator fragmentation and graph pools on a GPU
+    budget = limit_bytes - used_bytes - workspace_bytes - margin
     per_seq = slot_bytes + pages_per_seq * page_bytes
     num_slots = int(max(1, min(max_batch, budget // max(per_seq, 1))))
     num_pages = int((budget - num_slots * slot_bytes) // max(page_bytes, 1))

@@ -56,14 +56,14 @@ class ModelRunner:
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt)
-            mask[row, : len(prompt)] = 1
         as_int32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)
         length_t = as_int32(lengths)
         self.cache.set_prefill(as_int32(slots), torch.zeros_like(length_t), length_t)
-        hidden = self._forward(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+        # No padding mask: with right padding, every real query sees only real keys under the causal
+        # mask alone, so SDPA can take its flash path (O(T) memory); padded rows are never read.
+        hidden = self._forward(input_ids=ids.to(self.device),
                                position_ids=torch.arange(width, device=self.device)[None].expand(len(prompts), -1))
         last = hidden[torch.arange(len(prompts), device=self.device), length_t.long() - 1]  # [B, hidden]
         return self.lm_head(last).float()
