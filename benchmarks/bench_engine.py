@@ -244,7 +244,7 @@ def reset_peak(device: torch.device) -> None:
 def set_cap(cap_gib: float, device: torch.device) -> None:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total), torch.cuda.current_device())
 
 
 # -- Hugging Face generate, static batches --------------------------------------------------------------
