@@ -43,7 +43,8 @@ class JobConfig:
     residual_length: int = 128
     kivi_backend: str = "auto"  # auto: triton on a GPU, the PyTorch reference on the CPU
     # engine and actors
-    actors: int | None = None  # None: the cluster's GPU count, or 1 CPU actor without GPUs
+    actors: int | None = None  # None: the cluster's GPUs / gpus_per_actor, or 1 CPU actor without GPUs
+    gpus_per_actor: float = 1.0  # a fraction shares a GPU between actors (each plans for its share of memory)
     batch_size: int = 64  # rows per actor call (map_batches batch_size)
     max_batch_size: int = 256  # sequences the engine decodes together
     gpu_memory_utilization: float = 0.90
@@ -72,6 +73,9 @@ class JobConfig:
         _positive("max_new_tokens", self.max_new_tokens)
         if self.actors is not None:
             _positive("actors", self.actors)
+        per_actor = self.gpus_per_actor
+        if not (per_actor > 0 and (per_actor <= 1 or float(per_actor).is_integer())):
+            raise ValueError(f"gpus_per_actor must be a fraction in (0, 1] or a whole number, got {per_actor!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

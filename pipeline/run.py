@@ -89,12 +89,15 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # the assembler counts rows
     total = sum(s.num_rows for s in shards)
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    size = min(job.actors or gpus or 1, math.ceil(total / job.batch_size))
-    resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
-    if gpus and size > gpus:
-        log.warning("%d actors of one GPU each on a cluster with %d GPUs: the rest wait for GPUs", size, gpus)
+    per_actor = job.gpus_per_actor
+    size = min(job.actors or int(gpus / per_actor) or 1, math.ceil(total / job.batch_size))
+    resources = {"num_gpus": per_actor} if gpus else {"num_cpus": 1}
+    if gpus and size * per_actor > gpus:
+        log.warning("%d actors of %g GPU each on a cluster with %d GPUs: the rest wait for GPUs", size, per_actor, gpus)
     log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, job.batch_size)
-    ds = read_dataset(plan, shards).map_batches(
+    # streaming repartition into blocks of one actor call each: actors take blocks, so a few large
+    # blocks (small inputs are read into one) would leave the rest of the pool idle
+    ds = read_dataset(plan, shards).repartition(target_num_rows_per_block=job.batch_size).map_batches(
         GenerateActor,
         fn_constructor_kwargs={"job": job.to_dict(), "source": plan.source},
         compute=ray.data.ActorPoolStrategy(size=size),

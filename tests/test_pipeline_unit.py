@@ -87,6 +87,8 @@ def test_flags_override_file(tmp_path):
         ({"output": "o", "top_p": 0.0}, "top_p"),
         ({"output": "o", "batch_size": 0}, "batch_size"),
         ({"output": "o", "actors": 0}, "actors"),
+        ({"output": "o", "gpus_per_actor": 0}, "gpus_per_actor"),
+        ({"output": "o", "gpus_per_actor": 1.5}, "gpus_per_actor"),
         ({"output": "o", "max_new_tokens": "16"}, "max_new_tokens"),
         ({"output": "o", "prompt_template": "no fields"}, "prompt_template"),
         ({"output": "o", "gguf_file": "x.gguf"}, "gguf_file"),

@@ -33,7 +33,8 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
     hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=dtype, kivi=cache)
     config = EngineConfig(
         kivi=cache,
-        gpu_memory_utilization=job.gpu_memory_utilization,
+        # actors sharing a GPU each plan for their share of its memory
+        gpu_memory_utilization=job.gpu_memory_utilization * min(1.0, job.gpus_per_actor),
         max_batch_size=job.max_batch_size,
         max_model_len=job.max_model_len,
     )
