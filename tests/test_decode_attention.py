@@ -48,6 +48,7 @@ class Case:
     num_splits: int | None = None
     block_n: int | None = None
     use_dot: bool | None = None
+    extra: tuple = ()  # more launcher tuning: (name, value) pairs
 
     @property
     def id(self) -> str:
@@ -57,6 +58,7 @@ class Case:
         extra += "" if self.num_splits is None else f"-S{self.num_splits}"
         extra += "" if self.block_n is None else f"-N{self.block_n}"
         extra += "" if self.use_dot is None else ("-dot" if self.use_dot else "-bcast")
+        extra += "".join(f"-{k}{int(v)}" for k, v in self.extra)
         dt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
         return (f"B{len(self.lens)}-{t}-Hq{self.q_heads}-H{self.kv_heads}-D{self.head_dim}"
                 f"-k{self.k_bits}v{self.v_bits}{extra}-{dt}")
@@ -207,6 +209,10 @@ KERNEL_CASES = [
     Case((500, 64), 2, 1, 64, 2, 2, dtype=torch.bfloat16, num_splits=2),
     Case((500, 150), 4, 2, 128, 2, 4, group_size=64, residual=192, page_size=128, dtype=torch.float16),
     Case((333, 17), 2, 2, 64, 4, 2, group_size=16, residual=48, page_size=64, num_splits=2),
+    # launcher tuning knobs (the H200 table picks among these)
+    Case((700, 129, 0), 4, 1, 128, 2, 2, dtype=torch.float16, block_n=32, num_splits=3,
+         extra=(("num_warps", 1), ("lazy", False), ("key_vec", 4))),
+    Case((500, 300), 2, 2, 64, 2, 4, dtype=torch.float16, block_n=128, extra=(("num_warps", 8), ("num_stages", 2))),
 ]
 
 
@@ -215,7 +221,7 @@ def test_kernel_matches_reference(case: Case):
     q, cache, _ = make_inputs(case)
     expected = run(reference.decode_attention, case, q, cache)
     out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
-    tuning = dict(num_splits=case.num_splits, block_n=case.block_n, use_dot=case.use_dot)
+    tuning = dict(num_splits=case.num_splits, block_n=case.block_n, use_dot=case.use_dot, **dict(case.extra))
     got = run(decode_attention, case, q, cache, out=out, **tuning)
     assert got is out
     assert_close(got, expected, TOL[case.dtype], case.id)
@@ -268,22 +274,24 @@ def test_kernels_compile_for_h200():
     from tests.compile_util import compile_for_sm90_many
 
     common = dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, HEAD_DIM=128, BLOCK_N=64,
-                  NUM_SPLITS=4, INPUT_PRECISION=None, USE_ASM=True)
+                  SPLIT=True, NUM_STAGES=3, LAZY_L=True, KEY_VEC=1, INPUT_PRECISION=None, USE_ASM=True,
+                  stride_kc_w=128, stride_ks_g=128, stride_vc_t=8, stride_vs_t=4, stride_res_t=128)
     variants = [
         dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.bfloat16, q="*bf16", cache="bf16"),
         dict(common, QG=1, QG_PAD=1, USE_DOT=False, DOT_DTYPE=tl.float32, q="*fp16", cache="fp16",
-             K_BITS=4, V_BITS=4, NUM_SPLITS=1),
+             K_BITS=4, V_BITS=4, SPLIT=False, LAZY_L=False, NUM_STAGES=2, stride_vc_t=16),
         dict(common, QG=3, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.float16, q="*fp16", cache="fp16", HEAD_DIM=64,
-             V_BITS=4, BLOCK_N=128),
+             V_BITS=4, BLOCK_N=128, KEY_VEC=4, stride_kc_w=64, stride_ks_g=64, stride_vc_t=8, stride_vs_t=2,
+             stride_res_t=64),
     ]
     specs = []
     for v in variants:
         q_ty, cache_ty = v.pop("q"), v.pop("cache")
-        o_ty = "*fp32" if v["NUM_SPLITS"] > 1 else q_ty
+        o_ty = "*fp32" if v["SPLIT"] else q_ty
         ptrs = dict(q_ptr=q_ty, kc_ptr="*i32", ks_ptr="*" + cache_ty, kz_ptr="*" + cache_ty, vc_ptr="*i32",
                     vs_ptr="*" + cache_ty, vz_ptr="*" + cache_ty, kr_ptr="*" + cache_ty, vr_ptr="*" + cache_ty,
                     block_table_ptr="*i32", slots_ptr="*i32", seq_lens_ptr="*i32", o_ptr=o_ty,
-                    lse_ptr="*fp32", qk_scale="fp32")
+                    lse_ptr="*fp32", qk_scale="fp32", num_splits="i32")
         specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=8 if v["QG"] == 1 else 4)))
     specs.append((kernel._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))

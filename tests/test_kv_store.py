@@ -8,7 +8,10 @@ are compared whole, so any write outside the target pages/slots fails.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels are imported (conftest does it first)
+import torch
+
+if not torch.cuda.is_available():  # before kernels are imported (conftest does it first); a GPU runs them compiled
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
 import math  # noqa: E402
@@ -19,7 +22,6 @@ from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from kernels import packing  # noqa: E402
 from kernels.kv_store import ops, reference  # noqa: E402

@@ -71,16 +71,17 @@ def num_sms(device: torch.device) -> int:
     return NUM_SMS_DEFAULT
 
 
-def choose_num_splits(programs: int, max_tokens: int, device: torch.device) -> int:
-    """Splits of the key sequence so that programs * splits fills the GPU about twice.
+def choose_num_splits(programs: int, max_tokens: int, device: torch.device, programs_per_sm: int = 2,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """Splits of the key sequence so that programs * splits fills every SM with programs_per_sm programs.
 
     programs: B * H programs without splitting; max_tokens: the most tokens a row can hold (known on the
     host without a sync, so the choice is stable inside a CUDA graph). Each split keeps at least
     MIN_TOKENS_PER_SPLIT tokens so the merge and the per-program set-up stay small.
     """
-    want = math.ceil(2 * num_sms(device) / max(programs, 1))
+    want = math.ceil(programs_per_sm * num_sms(device) / max(programs, 1))
     cap = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, cap, MAX_SPLITS))
+    return max(1, min(want, cap, max_splits))
 
 
 def dot_config(q_dtype: torch.dtype, cache_dtype: torch.dtype):

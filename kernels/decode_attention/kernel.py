@@ -7,10 +7,15 @@ Shared with kernels/paged_attention (imported from here, never copied):
     _split_range           which key blocks a split program owns
     _merge_splits_kernel   second pass: merge the splits of one row by their log-sum-exp
 
-The quantized kernel: grid (B, H, NUM_SPLITS); each program streams its split of the row's 128-token
-blocks (packed pages through the block table, then the residual ring), unpacks code words in registers
-(see "Unpacking" below), and feeds tensor cores (tl.dot, query group padded to 16 rows) with fp16/bf16
-tiles; nothing dequantized is ever written to memory.
+The quantized kernel: grid (B, H, num_splits); each program streams its split of the row's BLOCK_N-token
+blocks (packed pages through the block table, software-pipelined NUM_STAGES deep, then the residual ring),
+unpacks code words in registers (see "Unpacking" below), and feeds tensor cores (tl.dot, query group padded
+to 16 rows) with fp16/bf16 tiles; nothing dequantized is written to global memory. The tiles do pass through
+shared memory on their way to the tensor cores (Triton's dot-operand conversion), and that traffic (about
+ten times the packed bytes) is what bounds the kernel on the H200: benchmarks/results/kernel_notes.md.
+Strides of the innermost pool dims are constexpr (they are fixed by the layout), so code-word and scale
+loads are provably aligned and vectorized; KEY_VEC limits the key-word loads' width along channels, which
+decides the register layout of the dequantized key tile and thereby its shared-memory bank conflicts.
 
 Scores are kept in the log2 domain: the launcher passes qk_scale = sm_scale * log2(e) and the kernels
 use exp2; every log-sum-exp in the workspace is a base-2 one.
@@ -21,9 +26,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_range(n_blocks, split, NUM_SPLITS: tl.constexpr):
-    """Contiguous range [lo, hi) of the n_blocks key blocks owned by program `split` of NUM_SPLITS."""
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+def _split_range(n_blocks, split, num_splits):
+    """Contiguous range [lo, hi) of the n_blocks key blocks owned by program `split` of num_splits (a runtime
+    int or a constexpr)."""
+    per_split = tl.cdiv(n_blocks, num_splits)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, n_blocks)
     return lo, hi
@@ -58,6 +64,31 @@ def _attend_block(
         pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_block_lazy(
+    q, k_t, v, valid, m_i, l_t, acc, qk_scale,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """_attend_block with the denominator kept per column (l_t [QG_PAD, BLOCK_N], summed once after the
+    loop): one cross-warp reduction (the max) per step instead of two."""
+    if USE_DOT:
+        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+    else:
+        s = tl.sum(q[:, :, None] * k_t.to(tl.float32)[None, :, :], axis=1)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_t = l_t * alpha[:, None] + p
+    if USE_DOT:
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_t, acc
 
 
 @triton.jit
@@ -226,7 +257,7 @@ def _word_order(n, PER_WORD: tl.constexpr):
 def _load_packed_keys_t(
     kc_ptr, ks_ptr, kz_ptr, off, n_valid, stride_kc_w, stride_ks_g,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DEQ_DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+    DEQ_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, KEY_VEC: tl.constexpr = 4,
 ):
     """Dequantized keys, transposed: [D, BLOCK_N] of page tokens off + _word_order(n) (pointers at page, head).
 
@@ -236,17 +267,17 @@ def _load_packed_keys_t(
     WORDS: tl.constexpr = BLOCK_N // PER_WORD
     N_GROUPS: tl.constexpr = (BLOCK_N + GROUP - 1) // GROUP  # scale rows in the block
     tl.static_assert(BLOCK_N % PER_WORD == 0)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.max_contiguous(tl.arange(0, HEAD_DIM), KEY_VEC)
     # words, transposed [D, WORDS]
     offs_w = tl.arange(0, WORDS)
     w_ptrs = kc_ptr + (off // PER_WORD + offs_w)[None, :] * stride_kc_w + offs_d[:, None]
-    words = tl.load(w_ptrs, mask=(offs_w * PER_WORD < n_valid)[None, :], other=0)
+    # unmasked: every word and scale row of a block lies inside its page; key columns past nq are masked
+    # out of the scores (a NaN there never reaches the output)
+    words = tl.load(w_ptrs)
     # scale / zero rows, transposed [D, N_GROUPS], repeated over the words of each group: [D, WORDS]
     offs_g = tl.arange(0, N_GROUPS)
     g_ptrs = (off // GROUP + offs_g)[None, :] * stride_ks_g + offs_d[:, None]
-    g_mask = (offs_g * GROUP < n_valid)[None, :]
-    scale, zero = _scale_zero(tl.load(ks_ptr + g_ptrs, mask=g_mask, other=0.0),
-                              tl.load(kz_ptr + g_ptrs, mask=g_mask, other=0.0), BITS, DEQ_DTYPE)
+    scale, zero = _scale_zero(tl.load(ks_ptr + g_ptrs), tl.load(kz_ptr + g_ptrs), BITS, DEQ_DTYPE)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (HEAD_DIM, N_GROUPS, WORDS // N_GROUPS)),
                        (HEAD_DIM, WORDS))
     zero = tl.reshape(tl.broadcast_to(zero[:, :, None], (HEAD_DIM, N_GROUPS, WORDS // N_GROUPS)),
@@ -271,7 +302,7 @@ def _load_packed_values(
     row_mask = row_valid[:, None]
     # words [BLOCK_N, WORDS]
     offs_w = tl.arange(0, WORDS)
-    words = tl.load(vc_ptr + rows[:, None] * stride_vc_t + offs_w[None, :], mask=row_mask, other=0)
+    words = tl.load(vc_ptr + rows[:, None] * stride_vc_t + offs_w[None, :])  # rows past nq: scale = zero = 0
     # scale / zero [BLOCK_N, N_GROUPS], repeated over the words of each group: [BLOCK_N, WORDS]
     g_ptrs = rows[:, None] * stride_vs_t + tl.arange(0, N_GROUPS)[None, :]
     scale, zero = _scale_zero(tl.load(vs_ptr + g_ptrs, mask=row_mask, other=0.0),
@@ -294,21 +325,22 @@ def _unpermute_channels(acc, QG_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BITS:
 def _decode_attention_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr,
     block_table_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    qk_scale,
+    qk_scale, num_splits,
     stride_q_b, stride_q_h,
-    stride_kc_n, stride_kc_h, stride_kc_w,
-    stride_ks_n, stride_ks_h, stride_ks_g,
-    stride_vc_n, stride_vc_h, stride_vc_t,
-    stride_vs_n, stride_vs_h, stride_vs_t,
-    stride_res_s, stride_res_h, stride_res_t,
+    stride_kc_n, stride_kc_h, stride_kc_w: tl.constexpr,
+    stride_ks_n, stride_ks_h, stride_ks_g: tl.constexpr,
+    stride_vc_n, stride_vc_h, stride_vc_t: tl.constexpr,
+    stride_vs_n, stride_vs_h, stride_vs_t: tl.constexpr,
+    stride_res_s, stride_res_h, stride_res_t: tl.constexpr,
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, RESIDUAL: tl.constexpr,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, QG: tl.constexpr, QG_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_L: tl.constexpr,
+    KEY_VEC: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    """grid (B, H, NUM_SPLITS): KV head h of row b against its QG query heads, one split of the keys.
+    """grid (B, H, num_splits): KV head h of row b against its QG query heads, one split of the keys.
 
     Key blocks of one row: the packed tokens [0, nq) in BLOCK_N steps through the block table, then the
     ring slots [0, min(L, R)) in BLOCK_N steps (slot j valid iff (j - nq) mod R < L - nq). A split owns a
@@ -327,7 +359,7 @@ def _decode_attention_kernel(
     n_res = seq_len - nq
     n_packed_blocks = tl.cdiv(nq, BLOCK_N)
     n_ring_blocks = tl.cdiv(tl.minimum(seq_len, RESIDUAL), BLOCK_N)
-    lo, hi = _split_range(n_packed_blocks + n_ring_blocks, split, NUM_SPLITS)
+    lo, hi = _split_range(n_packed_blocks + n_ring_blocks, split, num_splits)
 
     # stage 1: the query group of KV head h
     head0 = h * QG
@@ -341,8 +373,9 @@ def _decode_attention_kernel(
     # stage 2: packed tokens, page by page through the block table; key tile column n is token
     # tok + tile_tok[n], the value rows follow it; acc columns are in the value words' channel order
     tile_tok = _word_order(offs_n, 32 // K_BITS)
+    l_t = tl.zeros([QG_PAD, BLOCK_N], tl.float32)
     bt_row = block_table_ptr + slot * stride_bt_s
-    for blk in range(lo, tl.minimum(hi, n_packed_blocks)):
+    for blk in tl.range(lo, tl.minimum(hi, n_packed_blocks), num_stages=NUM_STAGES):
         tok = blk * BLOCK_N
         page = tl.load(bt_row + tok // PAGE).to(tl.int64)
         off = tok % PAGE
@@ -352,7 +385,7 @@ def _decode_attention_kernel(
             kc_ptr + page * stride_kc_n + h * stride_kc_h,
             ks_ptr + page * stride_ks_n + h * stride_ks_h,
             kz_ptr + page * stride_ks_n + h * stride_ks_h,
-            off, n_valid, stride_kc_w, stride_ks_g, K_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
+            off, n_valid, stride_kc_w, stride_ks_g, K_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM, KEY_VEC,
         )
         v = _load_packed_values(
             vc_ptr + page * stride_vc_n + h * stride_vc_h,
@@ -360,7 +393,14 @@ def _decode_attention_kernel(
             vz_ptr + page * stride_vs_n + h * stride_vs_h,
             off + tile_tok, valid, stride_vc_t, stride_vs_t, V_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
         )
-        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
+        if LAZY_L:
+            m_i, l_t, acc = _attend_block_lazy(q, k_t, v, valid, m_i, l_t, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                               INPUT_PRECISION)
+        else:
+            m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                          INPUT_PRECISION)
+    if LAZY_L:
+        l_i = tl.sum(l_t, axis=1)
     acc = _unpermute_channels(acc, QG_PAD, HEAD_DIM, V_BITS)
 
     # stage 3: full-precision residual ring (ring order never matters)
@@ -379,5 +419,5 @@ def _decode_attention_kernel(
     _store_partial(
         o_ptr, lse_ptr, acc, m_i, l_i, b, head0, split.to(tl.int64),
         stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
-        QG, QG_PAD, HEAD_DIM, NUM_SPLITS > 1,
+        QG, QG_PAD, HEAD_DIM, SPLIT,
     )

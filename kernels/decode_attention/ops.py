@@ -12,10 +12,46 @@ from .kernel import _decode_attention_kernel
 _OP = "decode_attention"
 
 
-def _default_block_n(page_size: int, deq_fp32: bool) -> int:
-    """128 tokens per step (fp16/bf16 tiles: ~190 registers, ~80 KB shared memory at D=128, 2 programs per
-    SM); 64 for fp32 tiles, whose registers double."""
-    return min(page_size, 64 if deq_fp32 else 128)
+# Launch table for fp16/bf16 caches (the tensor-core path), from measurements on the H200
+# (benchmarks/results/kernel_notes.md). The packed loop is bound by shared-memory traffic (the dequantized
+# bf16 tiles go through shared memory on their way to the tensor cores), so the best shapes are the ones
+# with the fewest bank conflicts and no cross-warp barriers: one-warp programs of 32 tokens for one query
+# head per KV head, four-warp programs of 64 tokens when a KV head serves a query group, except at many
+# rows. Rows are tried in order; the first whose bounds hold wins.
+#   key (max query-group size, min kv rows B * H, bits or None) ->
+#   (block_n, num_warps, num_stages, lazy denominator, key_vec, programs per SM the split count aims for)
+_TABLE_16 = (
+    ((1, 0, None), (32, 1, 2, True, 1, 8)),
+    ((None, 512, 2), (32, 1, 2, True, 1, 8)),
+    ((None, 0, 2), (64, 4, 2, True, 2, 4)),
+    ((None, 0, None), (64, 4, 2, True, 4, 3)),
+)
+MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
+
+
+def _table_config(rows: int, qg: int, bits: int) -> tuple:
+    for (max_qg, min_rows, tbits), cfg in _TABLE_16:
+        if (max_qg is None or qg <= max_qg) and rows >= min_rows and (tbits is None or bits == tbits):
+            return cfg
+    return _TABLE_16[-1][1]
+
+
+def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size: int, head_dim: int,
+                  dot16: bool, use_dot: bool, device: torch.device, bits: int = 2) -> dict:
+    """block_n, num_warps, num_stages, lazy, key_vec and num_splits for one call (host-side ints only, so the
+    choice is stable inside a CUDA graph). bits: the larger of k_bits and v_bits."""
+    if dot16 and use_dot:
+        block_n, warps, stages, lazy, key_vec, per_sm = _table_config(batch * kv_heads, qg, bits)
+    else:  # fp32 tiles (fp32 caches, mixed dtypes) or the broadcast path: registers double
+        block_n, warps, stages, lazy, key_vec, per_sm = 64, 8, 2, False, 4, 2
+        if not use_dot:
+            qg_pad = C.triton_next_pow2(qg)
+            block_n = min(block_n, max(16, 8192 // (qg_pad * head_dim)))
+    block_n = min(block_n, page_size)
+    splits = C.choose_num_splits(batch * kv_heads, max_tokens, device, programs_per_sm=per_sm,
+                                 max_splits=MAX_SPLITS)
+    return dict(block_n=block_n, num_warps=warps, num_stages=stages, lazy=lazy, key_vec=key_vec,
+                num_splits=splits)
 
 
 def decode_attention(
@@ -42,13 +78,20 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     use_dot: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    lazy: bool | None = None,
+    key_vec: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
     q [B, Hq, D]; caches as in design.md; returns out [B, Hq, D] in q's dtype (rows with seq_len 0 are
-    zero). Tuning (all optional): num_splits (split-K count, default from B*H vs SMs and the block-table
-    capacity), block_n (tokens per step, a power of two dividing page_size), use_dot (default True: the
-    tensor-core path with the query group padded to 16 rows; False: broadcast-multiply-reduce in fp32).
+    zero). Tuning (all optional; defaults from launch_config's table): num_splits (split-K count), block_n
+    (tokens per step, a power of two dividing page_size), use_dot (default True: the tensor-core path with the
+    query group padded to 16 rows; False: broadcast-multiply-reduce in fp32), num_warps, num_stages (software
+    pipelining depth of the packed loop), lazy (per-column softmax denominator, summed once at the end),
+    key_vec (key-word loads per thread along channels; 1 keeps the dequantized key tile's shared-memory
+    stores free of bank conflicts).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -63,24 +106,27 @@ def decode_attention(
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
-    if block_n is None:
-        block_n = _default_block_n(page_size, precision is not None)
-        if not use_dot:  # [QG_PAD, BLOCK_N, D] products live in registers
-            block_n = min(block_n, max(16, 8192 // (qg_pad * head_dim)))
+    max_tokens = block_table.shape[1] * page_size + residual_length
+    cfg = launch_config(batch, kv_heads, qg, max_tokens, page_size, head_dim, precision is None, use_dot, q.device,
+                        bits=max(k_bits, v_bits))
+    block_n = cfg["block_n"] if block_n is None else block_n
+    num_splits = cfg["num_splits"] if num_splits is None else num_splits
+    num_warps = cfg["num_warps"] if num_warps is None else num_warps
+    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    lazy = cfg["lazy"] if lazy is None else bool(lazy)
+    key_vec = cfg["key_vec"] if key_vec is None else key_vec
     if not C.is_pow2(block_n) or block_n < 16 or page_size % block_n or block_n * head_dim > 16384:
         raise ValueError(f"{_OP}: block_n={block_n} must be a power of two >= 16 dividing page_size={page_size}, "
                          f"with block_n * head_dim <= 16384")
-    if num_splits is None:
-        max_tokens = block_table.shape[1] * page_size + residual_length
-        num_splits = C.choose_num_splits(batch * kv_heads, max_tokens, q.device)
     C.check_int(_OP, "num_splits", num_splits)
-    num_warps = 4 if use_dot and precision is None else 8
+    C.check_int(_OP, "num_warps", num_warps, (1, 2, 4, 8, 16))
+    C.check_int(_OP, "num_stages", num_stages)
 
     o, lse, o_strides, workspace = C.output_args(out, num_splits)
     _decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
         block_table, slots, seq_lens, o, lse,
-        qk_scale=float(sm_scale) * math.log2(math.e),
+        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
         stride_q_b=q.stride(0), stride_q_h=q.stride(1),
         stride_kc_n=k_codes.stride(0), stride_kc_h=k_codes.stride(1), stride_kc_w=k_codes.stride(2),
         stride_ks_n=k_scale.stride(0), stride_ks_h=k_scale.stride(1), stride_ks_g=k_scale.stride(2),
@@ -90,9 +136,9 @@ def decode_attention(
         stride_bt_s=block_table.stride(0),
         **o_strides,
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, USE_ASM=not C.interpreting(),
-        num_warps=num_warps,
+        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
+        LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        USE_ASM=not C.interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)

@@ -1,0 +1,304 @@
+"""Tuning sweep of the decode-attention kernel on the GPU: variants x shapes, CUDA-graph timing, one JSON.
+
+    python benchmarks/kernel_sweep.py --plan profile --out $OUT/sweep.json     # many variants, few shapes
+    ncu --clock-control none ... python benchmarks/kernel_sweep.py --ncu        # one call of each ncu variant
+
+Compiles run first, in parallel worker processes (one tiny launch of each distinct variant fills Triton's
+cache with the same specialization the timed calls use: explicit tuning, block tables 16-wide multiples).
+Every variant is checked against the PyTorch reference on rows 0 and B-1 before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT), str(ROOT / ".scratch")]
+
+import torch  # noqa: E402
+
+D = 128
+DTYPE = torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------------ variants
+def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int = 2) -> dict:
+    """Explicit tuning (every knob set) so that compile keys never depend on the batch size."""
+    from kivi_data import P, R, quantized_len, table_width
+
+    max_tokens = table_width(-(-quantized_len(L) // P)) * P + R
+    t = dict(tuning)
+    if impl == "v1":
+        from kernels.decode_attention import common as C
+
+        t.setdefault("block_n", 128)
+        t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"), programs_per_sm=2))
+        return t
+    from kernels.decode_attention.ops import MAX_SPLITS, launch_config
+
+    cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits)
+    per_sm = t.pop("per_sm", None)
+    if per_sm is not None:
+        from kernels.decode_attention import common as C
+
+        cfg["num_splits"] = C.choose_num_splits(B * H, max_tokens, torch.device("cuda"), programs_per_sm=per_sm,
+                                                max_splits=MAX_SPLITS)
+    for k, v in cfg.items():
+        t.setdefault(k, v)
+    return t
+
+
+def call_fn(impl: str):
+    if impl == "v1":
+        from baseline_v1 import decode_attention_v1
+
+        return decode_attention_v1
+    from kernels.decode_attention import decode_attention
+
+    return decode_attention
+
+
+def compile_key(impl, bits, Hq, H, t) -> str:
+    return json.dumps([impl, bits, Hq, H, sorted(t.items())])
+
+
+def _warm_one(spec) -> str:
+    """Worker: one tiny launch of a variant (fills the Triton cache)."""
+    impl, bits, Hq, H, t = spec
+    try:
+        from kivi_data import kivi_args, make_kivi_sets
+
+        data = make_kivi_sets(1, 700, Hq, H, D, bits, bits, DTYPE, torch.device("cuda"), 1, seed=1)
+        fn = call_fn(impl)
+        fn(data["sets"][0]["q"], *kivi_args(data, 0), sm_scale=D**-0.5, k_bits=bits, v_bits=bits, group_size=32,
+           residual_length=128, page_size=128, **t)
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def precompile(specs: list, workers: int) -> dict:
+    uniq = {}
+    for s in specs:
+        uniq.setdefault(compile_key(*s), s)
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(workers, len(uniq))) as pool:
+        results = pool.map(_warm_one, list(uniq.values()), chunksize=1)
+    errors = {k: r for k, r in zip(uniq, results, strict=True) if r != "ok"}
+    print(f"precompiled {len(uniq)} variants in {time.time() - t0:.1f} s, {len(errors)} errors", flush=True)
+    for k, r in errors.items():
+        print("  compile error", k, r, flush=True)
+    return errors
+
+
+# ------------------------------------------------------------------------------------------------- plans
+def plan(name: str):
+    """[(shape, [variant, ...]), ...]; shape = (B, L, Hq, H), variant = (impl, bits, tuning)."""
+    if name == "profile":
+        grid = []
+        for bn, nw, ns, lazy in [(128, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True), (64, 4, 3, True),
+                                 (64, 4, 2, True), (64, 4, 4, True), (64, 4, 3, False), (64, 8, 3, True),
+                                 (32, 4, 3, True), (32, 2, 3, True), (32, 1, 3, True), (16, 1, 3, True)]:
+            grid.append(("new", 2, dict(block_n=bn, num_warps=nw, num_stages=ns, lazy=lazy)))
+        out = []
+        for B, L in [(8, 4096), (64, 4096), (8, 32768)]:
+            for Hq, H in [(32, 32), (32, 8)]:
+                vs = [("v1", 2, {})] + grid
+                vs += [("new", 2, dict(block_n=64, num_warps=4, num_stages=3, lazy=True, per_sm=p)) for p in (2, 8)]
+                vs += [("v1", 4, {}), ("new", 4, dict(block_n=64, num_warps=4, num_stages=3, lazy=True))]
+                out.append(((B, L, Hq, H), vs))
+        long = [("v1", 2, {})] + [("new", 2, dict(block_n=bn, num_warps=nw, num_stages=3, lazy=True, num_splits=s))
+                                  for bn, nw in [(64, 4), (128, 4)] for s in (16, 32, 64)]
+        out.append(((1, 131072, 32, 32), long))
+        out.append(((1, 131072, 32, 8), long))
+        return out
+    if name == "diag":
+        grid = [("new", 2, dict(block_n=bn, num_warps=nw, num_stages=ns, lazy=True, key_vec=kv))
+                for bn, nw in [(128, 4), (64, 4), (32, 2), (32, 1)] for ns in (2, 3) for kv in (1, 4)]
+        grid += [("new", 2, dict(block_n=64, num_warps=4, num_stages=2, lazy=True, key_vec=2)),
+                 ("new", 2, dict(block_n=32, num_warps=1, num_stages=2, lazy=False, key_vec=1))]
+        out = []
+        for B, L, Hq, H in [(8, 4096, 32, 32), (64, 4096, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8),
+                            (8, 32768, 32, 8)]:
+            vs = [("v1", 2, {})] + grid + [("v1", 4, {})]
+            vs += [("new", 4, dict(block_n=bn, num_warps=nw, num_stages=2, lazy=True, key_vec=kv))
+                   for bn, nw in [(128, 4), (64, 4), (32, 1)] for kv in (1, 4)]
+            out.append(((B, L, Hq, H), vs))
+        long = [("v1", 2, {})] + [("new", 2, dict(block_n=bn, num_warps=nw, num_stages=2, lazy=True, key_vec=kv,
+                                                   num_splits=s))
+                                  for bn, nw in [(64, 4), (32, 1)] for kv in (1, 4) for s in (16, 32, 64)]
+        out.append(((1, 131072, 32, 32), long))
+        out.append(((1, 131072, 32, 8), long))
+        return out
+    raise SystemExit(f"unknown plan {name}")
+
+
+# ------------------------------------------------------------------------------------------------ running
+def run_shape(shape, variants, l2, results, sdpa=True):
+    from gpu_timing import sets_for, time_graph
+    from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
+
+    from kernels.decode_attention import reference as dref
+
+    B, L, Hq, H = shape
+    dev = torch.device("cuda")
+    for bits in sorted({v[1] for v in variants}):
+        nbytes = kivi_bytes(B, L, Hq, H, D, bits, bits)
+        n_sets = sets_for(nbytes, l2)
+        data = make_kivi_sets(B, L, Hq, H, D, bits, bits, DTYPE, dev, n_sets, seed=11)
+        rows = [0, B - 1] if B > 1 else [0]
+        s0 = data["sets"][0]
+        args0 = kivi_args(data, 0)
+        ref_args = args0[:8] + [args0[8], s0["slots"][rows], s0["seq_lens"][rows]]
+        ints = dict(sm_scale=D**-0.5, k_bits=bits, v_bits=bits, group_size=32, residual_length=128, page_size=128)
+        ref = dref.decode_attention(s0["q"][rows], *ref_args, **ints).float()
+        for impl, vbits, tuning in variants:
+            if vbits != bits:
+                continue
+            t = resolve(impl, B, L, Hq, H, tuning, bits)
+            rec = dict(kernel=f"decode_attention_{impl}", bits=bits, batch=B, context=L, q_heads=Hq, kv_heads=H,
+                       head_dim=D, tuning=t, bytes=nbytes)
+            try:
+                fn = call_fn(impl)
+                outs = [torch.empty_like(s["q"]) for s in data["sets"]]
+                calls = [(lambda i=i, fn=fn, data=data, outs=outs, t=t, ints=ints:
+                          fn(data["sets"][i]["q"], *kivi_args(data, i), out=outs[i], **ints, **t))
+                         for i in range(n_sets)]
+                calls[0]()
+                out0 = outs[0][rows].float()
+                rec["check_rel_l2"] = float((out0 - ref).norm() / ref.norm())
+                rec.update(time_graph(calls))
+                rec["gbps"] = nbytes / (rec["ms"] * 1e-3) / 1e9
+            except Exception as exc:  # noqa: BLE001
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc(limit=3)
+            results.append(rec)
+            print(line(rec), flush=True)
+        del data
+        torch.cuda.empty_cache()
+    if sdpa:
+        results.append(time_sdpa(B, L, Hq, H, l2))
+        print(line(results[-1]), flush=True)
+
+
+def time_sdpa(B, L, Hq, H, l2) -> dict:
+    import torch.nn.functional as F
+    from gpu_timing import cuda_generator, sets_for, time_graph
+    from kivi_data import bf16_bytes
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    nbytes = bf16_bytes(B, L, Hq, H, D)
+    rec = dict(kernel="sdpa_bf16", bits=16, batch=B, context=L, q_heads=Hq, kv_heads=H, head_dim=D, bytes=nbytes)
+    if nbytes > 60e9:
+        rec["skipped"] = "too large"
+        return rec
+    try:
+        n_sets = sets_for(nbytes, l2)
+        gen = cuda_generator(5)
+        kv = torch.randn(2, n_sets * B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(n_sets * B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        gqa = dict(enable_gqa=True) if Hq != H else {}
+
+        def one(i, q=q, kv=kv):
+            sl = slice(i * B, (i + 1) * B)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q[sl], kv[0, sl], kv[1, sl], **gqa)
+        rec.update(time_graph([lambda i=i: one(i) for i in range(n_sets)]))
+        rec["gbps"] = nbytes / (rec["ms"] * 1e-3) / 1e9
+    except Exception as exc:  # noqa: BLE001
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return rec
+
+
+def line(r: dict) -> str:
+    head = f"{r['kernel']:22s} b{r['bits']:>2} B={r['batch']:>4} L={r['context']:>6} H={r['q_heads']}/{r['kv_heads']}"
+    if r.get("error") or r.get("skipped"):
+        return head + "  " + (r.get("error") or r.get("skipped"))
+    t = r.get("tuning", {})
+    ts = " ".join(f"{k}={v}" for k, v in t.items())
+    return (f"{head}  {r['ms'] * 1e3:8.1f} us {r['gbps']:7.0f} GB/s  rel {r.get('check_rel_l2', 0):.1e}  "
+            f"[{r.get('mode')}] {ts}")
+
+
+NCU_VARIANTS = [
+    ("v1", {}),
+    ("new", dict(block_n=128, num_warps=4, num_stages=3, lazy=True, key_vec=4)),
+    ("new", dict(block_n=128, num_warps=4, num_stages=3, lazy=True, key_vec=1)),
+    ("new", dict(block_n=64, num_warps=4, num_stages=2, lazy=True, key_vec=1)),
+    ("new", dict(block_n=32, num_warps=1, num_stages=3, lazy=True, key_vec=1)),
+]
+
+
+def ncu_main():
+    """Each NCU_VARIANTS entry once to warm up, then once more (profile with --launch-skip/count = len)."""
+    from kivi_data import kivi_args, make_kivi_sets
+
+    B, L, Hq, H = 64, 4096, 32, 32
+    data = make_kivi_sets(B, L, Hq, H, D, 2, 2, DTYPE, torch.device("cuda"), 1, seed=3)
+    ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128)
+    for _ in range(2):
+        for impl, tuning in NCU_VARIANTS:
+            t = resolve(impl, B, L, Hq, H, tuning)
+            call_fn(impl)(data["sets"][0]["q"], *kivi_args(data, 0), **ints, **t)
+        torch.cuda.synchronize()
+    print("ncu variants:", [(i, resolve(i, B, L, Hq, H, t)) for i, t in NCU_VARIANTS])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", default="profile")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--no-sdpa", action="store_true")
+    args = ap.parse_args()
+    if args.ncu:
+        ncu_main()
+        return
+    from common import copy_bandwidth, env_header
+    from gpu_timing import l2_bytes
+
+    shapes = plan(args.plan)
+    specs = []
+    for (B, L, Hq, H), vs in shapes:
+        for impl, bits, tuning in vs:
+            specs.append((impl, bits, Hq, H, resolve(impl, B, L, Hq, H, tuning, bits)))
+    errors = precompile(specs, args.workers)
+    dev = torch.device("cuda")
+    copy = copy_bandwidth(dev)
+    l2 = l2_bytes(dev)
+    print(f"copy {copy['gbs']:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
+    results = []
+    t0 = time.time()
+    for shape, vs in shapes:
+        run_shape(shape, vs, l2, results, sdpa=not args.no_sdpa)
+    for r in results:
+        r["copy_gbps"] = copy["gbs"]
+        if r.get("gbps"):
+            r["frac_of_copy"] = r["gbps"] / copy["gbs"]
+    out = dict(header=env_header(dev), copy=copy, l2_bytes=l2, plan=args.plan, compile_errors=errors,
+               wall_s=round(time.time() - t0, 1), records=results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    # compact summary: best variant per shape
+    print("\nbest per shape/bits:")
+    best = {}
+    for r in results:
+        if r.get("gbps") and r["kernel"].startswith("decode"):
+            k = (r["bits"], r["batch"], r["context"], r["q_heads"], r["kv_heads"])
+            if k not in best or r["gbps"] > best[k]["gbps"]:
+                best[k] = r
+    for _k, r in sorted(best.items()):
+        print(line(r), f"{r['frac_of_copy']:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Random KIVI caches for kernel benchmarks: one page pool holding several input sets (for L2 rotation).
+
+Every row of a set holds `context` tokens: nq = quantized_len(context) packed tokens in pages at random page
+ids of the shared pool, and the rest in its residual ring slot. Code words are random int32, scales
+0.2..0.7, zeros N(0, 1), residual tokens N(0, 1) (keys x2). All data is drawn with a private generator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+G, R, P = 32, 128, 128
+
+
+def quantized_len(L: int) -> int:
+    return G * math.ceil(max(0, L - R) / G)
+
+
+def kivi_bytes(B, L, Hq, H, D, kb, vb, esize=2) -> int:
+    """Bytes one decode-attention call must move: codes, scales and zeros of the packed tokens, the residual
+    tokens, q and out (each counted once)."""
+    nq = quantized_len(L)
+    codes = B * H * nq * D * (kb + vb) // 8
+    scales = B * H * (nq // G) * D * 2 * esize + B * H * nq * (D // G) * 2 * esize
+    residual = B * H * (L - nq) * D * 2 * esize
+    return codes + scales + residual + 2 * B * Hq * D * esize
+
+
+def bf16_bytes(B, L, Hq, H, D) -> int:
+    return 2 * B * H * L * D * 2 + 2 * B * Hq * D * 2
+
+
+def table_width(pages: int) -> int:
+    """Block-table width: a multiple of 16 (so every run compiles the kernels with the same int specialization)."""
+    return max(16, -(-pages // 16) * 16)
+
+
+def make_kivi_sets(B, L, Hq, H, D, kb, vb, dtype, device, n_sets: int, seed: int = 0) -> dict:
+    """Pools shared by n_sets sets; returns dict(pools=[8 tensors], sets=[dict(q, block_table, slots, seq_lens)])."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    nq = quantized_len(L)
+    pages = -(-nq // P)
+    N = max(n_sets * B * pages, 1)
+    S = n_sets * (B + 1)
+    dev = dict(device=device)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, **dev)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, **dev)
+
+    pools = dict(
+        k_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P * kb // 32, D), generator=gen, dtype=torch.int32, **dev),
+        k_scale=(rand(N, H, P // G, D) * 0.5 + 0.2).to(dtype),
+        k_zero=randn(N, H, P // G, D).to(dtype),
+        v_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P, D * vb // 32), generator=gen, dtype=torch.int32, **dev),
+        v_scale=(rand(N, H, P, D // G) * 0.5 + 0.2).to(dtype),
+        v_zero=randn(N, H, P, D // G).to(dtype),
+        k_res=(randn(S, H, R, D) * 2).to(dtype),
+        v_res=randn(S, H, R, D).to(dtype),
+    )
+    table = torch.zeros(S, table_width(pages), dtype=torch.int32)
+    perm = torch.randperm(N, generator=cpu_gen).to(torch.int32)
+    sets = []
+    for i in range(n_sets):
+        slots = (i * (B + 1) + torch.randperm(B + 1, generator=cpu_gen)[:B]).to(torch.int32)
+        if pages:
+            table[slots.long(), :pages] = perm[i * B * pages:(i + 1) * B * pages].view(B, pages)
+        sets.append(dict(slots=slots.to(device), seq_lens=torch.full((B,), L, dtype=torch.int32, **dev),
+                         q=randn(B, Hq, D).to(dtype)))
+    table = table.to(device)
+    for s in sets:
+        s["block_table"] = table
+    return dict(pools=pools, sets=sets, nq=nq, pages=pages)
+
+
+KIVI_POOLS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res")
+
+
+def kivi_args(data: dict, i: int) -> list:
+    """Positional arguments after q of decode_attention for set i."""
+    s = data["sets"][i]
+    return [data["pools"][n] for n in KIVI_POOLS] + [s["block_table"], s["slots"], s["seq_lens"]]
