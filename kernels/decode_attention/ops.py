@@ -12,28 +12,31 @@ from .kernel import _decode_attention_kernel
 _OP = "decode_attention"
 
 
-# Launch table for fp16/bf16 caches (the tensor-core path), from measurements on the H200
-# (benchmarks/results/kernel_notes.md). The packed loop is bound by shared-memory traffic (the dequantized
-# bf16 tiles go through shared memory on their way to the tensor cores), so the best shapes are the ones
-# with the fewest bank conflicts and no cross-warp barriers: one-warp programs of 32 tokens for one query
-# head per KV head, four-warp programs of 64 tokens when a KV head serves a query group, except at many
-# rows. Rows are tried in order; the first whose bounds hold wins.
-#   key (max query-group size, min kv rows B * H, bits or None) ->
+# Launch table for fp16/bf16 caches (the tensor-core path), from the H200 runs in
+# benchmarks/results/2026-11-29-h200-kernels.json (kernel_notes.md has the story). The packed loop is bound
+# by shared-memory traffic: the dequantized bf16 tiles go through shared memory on their way to the tensor
+# cores. One-warp programs of 32 tokens (no cross-warp barriers, 8 programs per SM) win wherever there are
+# many KV rows or long rows; four-warp programs of 64 tokens win at few, short rows and for most 4-bit query
+# groups. Keys are host-side ints (B * H, the block table's capacity in tokens, the query-group size and the
+# bits), so the choice is stable inside a CUDA graph.
 #   (block_n, num_warps, num_stages, lazy denominator, key_vec, programs per SM the split count aims for)
-_TABLE_16 = (
-    ((1, 0, None), (32, 1, 2, True, 1, 8)),
-    ((None, 512, 2), (32, 1, 2, True, 1, 8)),
-    ((None, 0, 2), (64, 4, 2, True, 2, 4)),
-    ((None, 0, None), (64, 4, 2, True, 4, 3)),
-)
+_ONE_WARP = (32, 1, 2, True, 1, 8)
+_FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
 MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
 
 
-def _table_config(rows: int, qg: int, bits: int) -> tuple:
-    for (max_qg, min_rows, tbits), cfg in _TABLE_16:
-        if (max_qg is None or qg <= max_qg) and rows >= min_rows and (tbits is None or bits == tbits):
-            return cfg
-    return _TABLE_16[-1][1]
+def _table_config(rows: int, qg: int, bits: int, max_tokens: int) -> tuple:
+    if bits <= 2:
+        if qg == 1:
+            one_warp = rows >= 512 or (rows <= 64 and max_tokens >= 16384)
+        else:
+            one_warp = rows >= 512 or max_tokens >= 16384 or (rows >= 64 and max_tokens >= 4096)
+        return _ONE_WARP if one_warp else _FOUR_WARPS[2]
+    if qg == 1:
+        one_warp = rows >= 512 or (rows <= 64 and max_tokens >= 65536)
+    else:
+        one_warp = rows >= 2048 or max_tokens >= 65536
+    return _ONE_WARP if one_warp else _FOUR_WARPS[4]
 
 
 def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size: int, head_dim: int,
@@ -41,7 +44,7 @@ def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size
     """block_n, num_warps, num_stages, lazy, key_vec and num_splits for one call (host-side ints only, so the
     choice is stable inside a CUDA graph). bits: the larger of k_bits and v_bits."""
     if dot16 and use_dot:
-        block_n, warps, stages, lazy, key_vec, per_sm = _table_config(batch * kv_heads, qg, bits)
+        block_n, warps, stages, lazy, key_vec, per_sm = _table_config(batch * kv_heads, qg, bits, max_tokens)
     else:  # fp32 tiles (fp32 caches, mixed dtypes) or the broadcast path: registers double
         block_n, warps, stages, lazy, key_vec, per_sm = 64, 8, 2, False, 4, 2
         if not use_dot:
