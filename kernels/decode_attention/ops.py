@@ -13,7 +13,7 @@ _OP = "decode_attention"
 
 
 # Launch table for fp16/bf16 caches (the tensor-core path), from the H200 runs in
-# benchmarks/results/2026-11-29-h200-kernels.json (kernel_notes.md has the story). The packed loop is bound
+# benchmarks/results/kernels-20261129-h200.json (kernel_notes.md has the story). The packed loop is bound
 # by shared-memory traffic: the dequantized bf16 tiles go through shared memory on their way to the tensor
 # cores. One-warp programs of 32 tokens (no cross-warp barriers, 8 programs per SM) win wherever there are
 # many KV rows or long rows; four-warp programs of 64 tokens win at few, short rows and for most 4-bit query
