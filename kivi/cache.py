@@ -241,6 +241,11 @@ class KiviCache(PagedKVCache):
             self._assign_pages(self.meta.seq_lens.device)
         self._grow(layer, len(self.lengths))
 
+    def reset(self) -> None:
+        """Forget every sequence (the cache can then start a new generate call)."""
+        super().reset()
+        self.lengths, self.pages, self.num_pages, self.meta = [], [], 0, None
+
     def nbytes_bf16(self) -> int:
         """Bytes a bf16 cache would hold for the same (unpadded) tokens."""
         per_token = sum(2 * layer.num_heads * layer.head_dim * 2 for layer in self.layers)

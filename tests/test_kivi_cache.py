@@ -134,6 +134,22 @@ def test_left_padding_never_enters_a_group():
             assert diff < 1e-4, f"row {row}: logits differ by {diff}"
 
 
+def test_reset_cache_serves_a_new_generate_call():
+    model = make_model("llama-gqa3")
+    cache = kivi.KiviCache(model.config, kivi.KiviConfig(**SMALL_KIVI))
+    ids = torch.randint(1, 97, (2, 40))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    first = model.generate(input_ids=ids, **{cache_kwarg(model): cache}, **kw)
+    more = torch.cat([first, torch.randint(1, 97, (2, 3))], 1)  # a second turn of several new tokens
+    with pytest.raises(NotImplementedError, match="new cache"):
+        model.generate(input_ids=more, attention_mask=torch.ones_like(more), max_new_tokens=2,
+                       **{cache_kwarg(model): cache})
+    cache.reset()
+    assert cache.nbytes() == 0 and cache.lengths == []
+    again = model.generate(input_ids=ids, **{cache_kwarg(model): cache}, **kw)
+    assert torch.equal(first, again)
+
+
 def test_triton_backend_matches_reference_in_model():
     """The whole model on the Triton kernels (interpreter on a CPU) against the reference kernels."""
     model = make_model("llama-gqa3")
