@@ -36,6 +36,26 @@ def _split_range(n_blocks, split, num_splits):
 
 
 @triton.jit
+def _scores(q, k_t, valid, qk_scale, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr):
+    """Masked, scaled scores [QG_PAD, BLOCK_N] (log2 domain): tensor cores (query group padded to >= 16
+    rows) or multiply-reduce."""
+    if USE_DOT:
+        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+    else:
+        s = tl.sum(q[:, :, None] * k_t.to(tl.float32)[None, :, :], axis=1)
+    return tl.where(valid[None, :], s * qk_scale, float("-inf"))
+
+
+@triton.jit
+def _weighted_values(p, v, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """P @ V: [QG_PAD, BLOCK_N] x [BLOCK_N, D] -> [QG_PAD, D] fp32."""
+    if USE_DOT:
+        return tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+    return tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _attend_block(
     q, k_t, v, valid, m_i, l_i, acc, qk_scale,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -45,24 +65,14 @@ def _attend_block(
     q: [QG_PAD, D] (DOT_DTYPE when USE_DOT, else fp32); k_t: [D, BLOCK_N] keys transposed; v: [BLOCK_N, D];
     valid: [BLOCK_N] bool. m_i, l_i: [QG_PAD] running max (log2 domain) and denominator; acc: [QG_PAD, D] fp32.
     """
-    # scores [QG_PAD, BLOCK_N]: tensor cores (query group padded to >= 16 rows) or multiply-reduce
-    if USE_DOT:
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-    else:
-        s = tl.sum(q[:, :, None] * k_t.to(tl.float32)[None, :, :], axis=1)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    s = _scores(q, k_t, valid, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     # online softmax; a row that has seen only masked keys keeps m = -inf and contributes nothing
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    # P @ V
-    if USE_DOT:
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -73,21 +83,13 @@ def _attend_block_lazy(
 ):
     """_attend_block with the denominator kept per column (l_t [QG_PAD, BLOCK_N], summed once after the
     loop): one cross-warp reduction (the max) per step instead of two."""
-    if USE_DOT:
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-    else:
-        s = tl.sum(q[:, :, None] * k_t.to(tl.float32)[None, :, :], axis=1)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    s = _scores(q, k_t, valid, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_t = l_t * alpha[:, None] + p
-    if USE_DOT:
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     return m_new, l_t, acc
 
 
