@@ -81,12 +81,12 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of pack_codes: int32 [.., W, ..] -> int32 codes [.., W * 32/bits, ..]."""
     per_word = codes_per_word(bits)
     dim = dim % packed.dim()
-    w = packed.to(torch.int64).unsqueeze(dim + 1)
+    w = packed.to(torch.int32).unsqueeze(dim + 1)
     shape = [1] * w.dim()
     shape[dim + 1] = per_word
-    shifts = (torch.arange(per_word, device=packed.device) * bits).view(shape)
-    codes = (w >> shifts) & (2**bits - 1)
-    return codes.flatten(dim, dim + 1).to(torch.int32)
+    shifts = (torch.arange(per_word, device=packed.device, dtype=torch.int32) * bits).view(shape)
+    codes = (w >> shifts) & (2**bits - 1)  # arithmetic shift: the mask keeps exactly the code's bits
+    return codes.flatten(dim, dim + 1)
 
 
 # Page-level layout (one head of one page, PAGE tokens, D channels):
