@@ -18,6 +18,7 @@ PREFIX = "_kivi_ray_"
 HIDDEN = {
     "actor_id": pa.string(),
     "ttft_s": pa.float64(),
+    "tpot_s": pa.float64(),
     "elapsed_share_s": pa.float64(),
     "max_allocated_mb": pa.float64(),
     "kv_cache_bytes": pa.int64(),
@@ -35,6 +36,7 @@ STATS_SCHEMA = pa.schema(
         ("output_tokens_per_second", pa.float64()),
         ("mean_ttft_ms", pa.float64()),
         ("p99_ttft_ms", pa.float64()),
+        ("mean_tpot_ms", pa.float64()),
         ("max_allocated_mb", pa.float64()),
         ("kv_cache_bytes", pa.int64()),
         ("kv_cache_bytes_bf16", pa.int64()),
@@ -76,6 +78,7 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
         out_tokens = sum(pick("num_generated_tokens"))
         elapsed = float(sum(pick(hidden("elapsed_share_s"))))
         ttft_ms = [t * 1e3 for t in pick(hidden("ttft_s")) if t is not None]
+        tpot_ms = [t * 1e3 for t in pick(hidden("tpot_s")) if t is not None]
         rows.append(
             {
                 "shard": shard,
@@ -87,6 +90,7 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
                 "output_tokens_per_second": out_tokens / elapsed if elapsed > 0 else 0.0,
                 "mean_ttft_ms": float(np.mean(ttft_ms)) if ttft_ms else None,
                 "p99_ttft_ms": float(np.percentile(ttft_ms, 99)) if ttft_ms else None,
+                "mean_tpot_ms": float(np.mean(tpot_ms)) if tpot_ms else None,
                 "max_allocated_mb": max(pick(hidden("max_allocated_mb"))),
                 "kv_cache_bytes": max(pick(hidden("kv_cache_bytes"))),
                 "kv_cache_bytes_bf16": max(pick(hidden("kv_cache_bytes_bf16"))),

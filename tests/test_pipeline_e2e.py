@@ -156,6 +156,7 @@ def test_stats_per_shard_and_kv_ratio(chat_job):
     long_rows = read(root / "out/_stats/sub__c.parquet").to_pylist()
     for r in long_rows:
         assert r["mean_ttft_ms"] > 0 and r["output_tokens_per_second"] > 0
+        assert 0 < r["mean_tpot_ms"] < r["elapsed_time_s"] * 1e3
         assert 0 < r["kv_cache_bytes"] / r["kv_cache_bytes_bf16"] < 0.5, r
     summary = json.loads((root / "out/_stats/summary.json").read_text())["summary"]
     assert summary["num_requests"] == 9 and summary["num_failed"] == 3 and summary["shards_done"] == 3

@@ -114,6 +114,7 @@ class GenerateActor:
         hidden = {
             "actor_id": self.actor_id,
             "ttft_s": [c.ttft_s if c else None for c in done],
+            "tpot_s": [_time_per_output_token(c) for c in done],
             "elapsed_share_s": share,
             "max_allocated_mb": float(es["max_allocated_mb"]),
             "kv_cache_bytes": int(es["kv_cache_bytes"]),
@@ -125,6 +126,13 @@ class GenerateActor:
         for name, values in cols.items():
             out = out.append_column(name, values)
         return out
+
+
+def _time_per_output_token(c) -> float | None:
+    """Seconds per generated token after the first (None without a decode phase)."""
+    if c is None or c.decode_s is None or len(c.token_ids) < 2:
+        return None
+    return c.decode_s / (len(c.token_ids) - 1)
 
 
 def _actor_id() -> str:
