@@ -83,7 +83,6 @@ class PagedKVCache(Cache):
     def __init__(self, config, storage_factory) -> None:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         check_supported(text_config)
-        self.sliding_window = getattr(text_config, "sliding_window", None)
         self._storage_factory = storage_factory
         self.storage = None
         self.meta: BatchMeta | None = None
@@ -137,13 +136,6 @@ class PagedKVCache(Cache):
     def attend_decode(self, layer: KiviLayer, query: torch.Tensor, sm_scale: float) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]."""
         return self.storage.decode_attention(layer.tensors, query, self.meta, sm_scale)
-
-    def check_window(self, longest: int) -> None:
-        if self.sliding_window is not None and longest > self.sliding_window:
-            raise ValueError(
-                f"sequence of {longest} tokens exceeds the model's sliding_window={self.sliding_window}: "
-                "sliding-window attention is not supported by the KIVI cache"
-            )
 
     def nbytes(self) -> int:
         """Bytes of every tensor this cache holds now."""
@@ -221,7 +213,6 @@ class KiviCache(PagedKVCache):
             if not torch.equal(inside, valid):
                 raise ValueError("KiviCache needs each row's real tokens to be contiguous in the attention mask")
             self.lengths = lengths.tolist()
-            self.check_window(max(self.lengths))
             self.pages = [[] for _ in self.lengths]
             self.meta = BatchMeta(
                 slots=torch.arange(batch, dtype=torch.int32, device=key.device),
@@ -236,7 +227,6 @@ class KiviCache(PagedKVCache):
     def begin_decode(self, layer: KiviLayer) -> None:
         if layer.layer_idx == 0:
             self.lengths = [n + 1 for n in self.lengths]
-            self.check_window(max(self.lengths))
             self.meta.seq_lens += 1
             self._assign_pages(self.meta.seq_lens.device)
         self._grow(layer, len(self.lengths))

@@ -31,6 +31,24 @@ def check_supported(config) -> None:
         raise ValueError(
             f"model_type {model_type!r} with sliding-window layers {sliding} is not supported by the KIVI cache"
         )
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral" and window is not None:
+        raise ValueError(
+            f"model_type 'mistral' with sliding_window={window} is not supported by the KIVI cache "
+            "(set config.sliding_window = None for full attention, as Mistral v0.2 and later use)"
+        )
+
+
+def model_config(model: str, gguf_file: str | None = None):
+    """The transformers config of a local model folder (or GGUF file in it), read without the weights."""
+    from transformers import AutoConfig
+
+    if gguf_file is not None:
+        cached = _gguf_cache_dir(model, gguf_file)
+        if (cached / "config.json").is_file():
+            return AutoConfig.from_pretrained(cached)
+        return AutoConfig.from_pretrained(model, gguf_file=gguf_file)
+    return AutoConfig.from_pretrained(model)
 
 
 def default_model() -> tuple[str, str]:

@@ -89,8 +89,12 @@ def test_continuous_batching_matches_generate(tiny, cache_kind):
 
 
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
-def test_chunked_prefill_matches_generate(tiny, cache_kind):
+def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
     """Prompts longer than the prefill budget go through in chunks and give generate()'s tokens."""
+    from pipeline.actors.engine.kv_cache import EngineCache
+
+    chunks, set_chunk = [], EngineCache.set_chunk
+    monkeypatch.setattr(EngineCache, "set_chunk", lambda self, *a: chunks.append(a[1:3]) or set_chunk(self, *a))
     reqs = requests([75, 41], [20, 20], seed=9)
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI if cache_kind == "kivi" else None,
                                                            max_prefill_tokens=16, page_size=16))
@@ -98,7 +102,8 @@ def test_chunked_prefill_matches_generate(tiny, cache_kind):
         cache = kivi.KiviCache(tiny.config, SMALL_KIVI) if cache_kind == "kivi" else DynamicCache(config=tiny.config)
         expected, clear = hf_greedy(tiny, req.prompt_token_ids, 20, cache)
         assert clear > 5 and comp.token_ids[: clear + 1] == expected[: clear + 1]
-    assert engine.cache.scratch  # the chunked path really ran
+    assert chunks[:5] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 75)]  # the chunked path really ran
+    assert not engine.cache.scratch  # and gave its scratch back
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
@@ -133,6 +138,9 @@ def test_stop_strings_and_eos(tiny):
     first = base.text.find(stop)
     cut = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30, stop=(stop,)))])[0]
     assert cut.finish_reason == "stop" and cut.text == base.text[:first]
+    first_char = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30,
+                                                                                   stop=(base.text[0],)))])[0]
+    assert first_char.finish_reason == "stop" and first_char.text == ""
     engine.eos_ids = {base.token_ids[4]}
     eos = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30))])[0]
     k = base.token_ids.index(base.token_ids[4])

@@ -195,6 +195,8 @@ def test_unsupported_models_raise_naming_the_type():
     sliding = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=64, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding"):
         kivi.KiviCache(sliding)
+    with pytest.raises(ValueError, match="mistral.*sliding_window=4096"):
+        kivi.KiviCache(MistralConfig(num_hidden_layers=2, sliding_window=4096))
 
 
 def test_head_dim_must_split_into_groups():

@@ -83,7 +83,9 @@ class EngineCache(PagedKVCache):
             layer.seen_tokens = start
 
     def end_chunks(self) -> None:
+        """Back to decode mode; the scratch (a bf16 copy of one long prompt's K/V) is given back."""
         self.mode = "decode"
+        self.scratch = []
         for layer in self.layers:
             layer.seen_tokens = 0
 

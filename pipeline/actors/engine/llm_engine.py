@@ -170,7 +170,10 @@ class LLMEngine:
         try:
             logits = self.runner.decode(tokens, positions, [s.slot for s in running])
         except torch.OutOfMemoryError:
-            self._out_of_memory(self.scheduler.preempt_half(), results)
+            # layers that ran already stored this step's token: redo every running sequence from scratch
+            # (a partial step must never be flushed into a group), with at most half as many in flight
+            self.scheduler.max_running = max(1, len(running) // 2)
+            self._out_of_memory(running, results)
             return
         self._sample_and_advance(running, logits, results, t_start)
         self.stats_acc["decode_steps"] += 1
@@ -230,8 +233,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, results, t_start: float, now: float) -> None:
         self.scheduler.finish(seq)
         self.blocks.release(seq)
-        if seq.finish_reason != "stop" or not seq.request.sampling.stop or not seq.text:
-            seq.text = seq.text or self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        if seq.text is None:  # no stop string cut the text
+            seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
         results[seq.index] = Completion(
             request_id=seq.request.request_id, text=seq.text, token_ids=list(seq.output),
             num_input_tokens=seq.prompt_len, finish_reason=seq.finish_reason,

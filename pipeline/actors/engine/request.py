@@ -76,7 +76,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str = ""
+    text: str | None = None  # set when a stop string cuts the output
     t_first: float | None = None
     t_done: float | None = None
 

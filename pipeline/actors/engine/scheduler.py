@@ -11,7 +11,9 @@ from pipeline.actors.engine.request import Sequence
 class Scheduler:
     def __init__(self, blocks: BlockManager, prefill_tokens: int) -> None:
         self.blocks = blocks
-        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (shrinks on OOM)
+        self.max_prefill_tokens = prefill_tokens
+        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (halved on OOM, then regrows)
+        self.max_running = blocks.num_slots  # sequences in flight (halved on a decode OOM)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -24,7 +26,9 @@ class Scheduler:
     def next_prefill(self) -> list[Sequence]:
         """Admit waiting sequences in order while they fit; their padded batch stays under the budget."""
         batch: list[Sequence] = []
-        while self.waiting and self.blocks.can_admit(self.waiting[0]):
+        while self.waiting and self.blocks.can_admit(self.waiting[0]) and (
+            len(self.running) + len(batch) < self.max_running
+        ):
             seq = self.waiting[0]
             width = max([s.prompt_len for s in batch] + [seq.prompt_len])
             if batch and width * (len(batch) + 1) > self.prefill_tokens:
@@ -34,17 +38,13 @@ class Scheduler:
         return batch
 
     def start_running(self, batch: list[Sequence]) -> None:
+        """A prefill went through: its sequences run, and a budget cut by an OOM regrows step by step."""
         self.running.extend(batch)
+        self.prefill_tokens = min(self.max_prefill_tokens, self.prefill_tokens * 2)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-
-    def preempt_half(self) -> list[Sequence]:
-        """Take the newest half of the running sequences out (their work is redone later)."""
-        keep = max(1, len(self.running) // 2)
-        out, self.running = self.running[keep:], self.running[:keep]
-        return out or self.running[:]
 
     def shrink(self, seqs: list[Sequence]) -> None:
         """Requeue `seqs` from scratch at the front; the next prefill gets at most half their tokens."""
@@ -52,7 +52,7 @@ class Scheduler:
             self.blocks.release(seq)
             if seq in self.running:
                 self.running.remove(seq)
-            seq.output, seq.t_first, seq.finish_reason, seq.text = [], None, None, ""
+            seq.output, seq.t_first, seq.finish_reason, seq.text = [], None, None, None
             self.waiting.appendleft(seq)
         padded = max(s.prompt_len for s in seqs) * len(seqs)
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
