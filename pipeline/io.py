@@ -115,6 +115,11 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
         if set(s.names) != set(schema.names):
             raise ValueError(f"input file {f!r} has columns {s.names}, but {files[0]!r} has {schema.names}")
     names = [_shard_name(f, root) for f in files]
+    seen: dict[str, str] = {}
+    for name, f in zip(names, files, strict=True):
+        if name in seen:  # a/b.parquet and a__b.parquet: both outputs would be <out>/a__b.parquet
+            raise ValueError(f"input files {seen[name]!r} and {f!r} both map to shard {name!r}; rename one")
+        seen[name] = f
     shards = [Shard(n, rows, path=f) for n, f, (_, rows) in zip(names, files, metas, strict=True)]
     return InputPlan("parquet", shards, schema, source="", filesystem=fs)
 

@@ -22,7 +22,8 @@ log = logging.getLogger("kivi_ray")
 
 
 def run(job: JobConfig) -> dict[str, Any]:
-    """Run the job; returns the summary. ValueError (before Ray starts) for bad input or settings."""
+    """Run the job; returns the summary. ValueError (before Ray starts) for bad input or settings;
+    RuntimeError when generation itself fails."""
     start = time.perf_counter()
     plan = plan_input(job)
     check_model(job)
@@ -42,7 +43,10 @@ def run(job: JobConfig) -> dict[str, Any]:
     )
     assembler = ShardAssembler(plan, todo, store, job_info(job))
     if any(s.num_rows for s in todo):
-        _generate(job, plan, [s for s in todo if s.num_rows], assembler)
+        try:
+            _generate(job, plan, [s for s in todo if s.num_rows], assembler)
+        except ValueError as e:  # raised inside the actors: the job ran and failed (not a bad-input error)
+            raise RuntimeError(f"generation failed: {e}") from e
     assembler.finish()
     summary = stats.summarize(
         assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo)
@@ -60,6 +64,13 @@ def check_model(job: JobConfig) -> None:
         raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
     if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):
         raise ValueError(f"model folder {model!r} not found")
+    if job.kivi and os.path.isdir(os.path.expanduser(model)):  # a hub id is checked by the loader
+        import kivi
+
+        config = kivi.models.model_config(os.path.expanduser(model), gguf_file).get_text_config()
+        kivi.check_supported(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        job.kivi_config().check_head_dim(head_dim)
 
 
 def job_info(job: JobConfig) -> dict[str, Any]:

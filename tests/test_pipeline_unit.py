@@ -123,6 +123,29 @@ def test_folder_and_glob_shards(tmp_path):
     assert [s.name for s in plan.shards] == ["b"]
 
 
+def test_colliding_shard_names_fail_at_planning(tmp_path):
+    write(str(tmp_path / "in/a/b.parquet"), prompt=["x"])
+    write(str(tmp_path / "in/a__b.parquet"), prompt=["y"])
+    with pytest.raises(ValueError, match="both map to shard 'a__b'"):
+        plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
+
+
+def test_model_checked_before_ray(tmp_path):
+    """An unsupported architecture or a group size that does not divide head_dim fails at planning."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from pipeline.run import check_model
+
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="gpt2"):
+        check_model(JobConfig(output="o", model=str(tmp_path / "gpt2")))
+    with pytest.raises(ValueError, match="head_dim=32"):
+        check_model(JobConfig(output="o", model=str(tmp_path / "llama"), group_size=64, residual_length=128))
+    check_model(JobConfig(output="o", model=str(tmp_path / "llama"), group_size=32))
+    check_model(JobConfig(output="o", model=str(tmp_path / "gpt2"), kivi=False))  # the baseline runs anything
+
+
 def test_hf_dataset_shards(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"prompt": list("abcde"), "n": list(range(5))}).save_to_disk(str(tmp_path / "hf"))
