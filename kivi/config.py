@@ -33,8 +33,9 @@ class KiviConfig:
         for name in ("k_bits", "v_bits"):
             if getattr(self, name) not in SUPPORTED_BITS:
                 raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {getattr(self, name)!r}")
-        if not isinstance(self.group_size, int) or self.group_size < 16 or self.group_size % 16:
-            raise ValueError(f"group_size must be a positive multiple of 16, got {self.group_size!r}")
+        g = self.group_size
+        if not isinstance(g, int) or g < 16 or g & (g - 1):  # the kernels need a power of two
+            raise ValueError(f"group_size must be a power of two >= 16, got {g!r}")
         if (
             not isinstance(self.residual_length, int)
             or self.residual_length < self.group_size

@@ -109,8 +109,8 @@ def stats_table(rows: list[dict[str, Any]]) -> pa.Table:
 def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, shards_skipped: int) -> dict[str, Any]:
     """Totals of this run over its stats rows; wall_s is the driver's time from start to last write."""
     out_tokens = sum(r["total_output_tokens"] for r in rows)
-    kv = max((r["kv_cache_bytes"] for r in rows), default=0)
-    kv_bf16 = max((r["kv_cache_bytes_bf16"] for r in rows), default=0)
+    peak = max(rows, key=lambda r: r["kv_cache_bytes"], default=None)  # both sizes from the same moment
+    kv, kv_bf16 = (peak["kv_cache_bytes"], peak["kv_cache_bytes_bf16"]) if peak else (0, 0)
     return {
         "shards_done": len({r["shard"] for r in rows}),
         "shards_skipped": shards_skipped,

@@ -179,7 +179,8 @@ def test_cache_is_under_22_percent_of_bf16_at_4096_tokens():
     assert layer["k_codes"].dtype == torch.int32 and layer["k_codes"].shape[0] == 31  # 3968 tokens / 128
 
 
-@pytest.mark.parametrize("bad", [dict(k_bits=3), dict(v_bits=8), dict(group_size=24), dict(residual_length=100),
+@pytest.mark.parametrize("bad", [dict(k_bits=3), dict(v_bits=8), dict(group_size=24), dict(group_size=48),
+                                 dict(residual_length=100),
                                  dict(page_size=48), dict(backend="cuda")])
 def test_config_rejects_bad_values(bad):
     key = next(iter(bad))

@@ -264,9 +264,10 @@ class LLMEngine:
             max_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
             name = torch.cuda.get_device_name(self.device)
         else:
-            import psutil
+            import resource
 
-            max_mb, name = psutil.Process().memory_info().rss / 2**20, "cpu"
+            # peak resident memory of the process (Linux reports kilobytes)
+            max_mb, name = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, "cpu"
         out = dict(self.stats_acc, max_allocated_mb=max_mb, device_name=name)
         if self.runner is not None:
             out.update(num_slots=self.plan.num_slots, num_pages=self.plan.num_pages)
