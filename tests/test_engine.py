@@ -196,3 +196,30 @@ def test_sampling_params_reject_bad_values(bad):
         SamplingParams(**bad)
     with pytest.raises(ValueError, match="unknown"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+def test_sampler_respects_top_k_top_p_and_greedy_rows():
+    from pipeline.actors.engine.sampler import sample
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    n = 400
+    rows = logits.repeat(n, 1)  # each of the 6 rows, n times, with different seeds
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.0, 2.0]).repeat(n)
+    top_k = torch.tensor([0, 5, 0, 0, 1, 3]).repeat(n)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 1.0, 1.0]).repeat(n)
+    seeds = torch.arange(6 * n)
+    out = sample(rows, temperature, top_k, top_p, seeds, torch.zeros(6 * n, dtype=torch.long)).view(n, 6)
+    order = logits.argsort(dim=-1, descending=True)
+    probs = logits.softmax(-1).gather(1, order)
+    nucleus = lambda r, p: set(order[r, : int((probs[r].cumsum(0) - probs[r] < p).sum())].tolist())
+    assert set(out[:, 0].tolist()) == {int(logits[0].argmax())}  # greedy row
+    assert set(out[:, 1].tolist()) <= set(order[1, :5].tolist()) and len(set(out[:, 1].tolist())) > 1
+    assert set(out[:, 2].tolist()) <= nucleus(2, 0.5)
+    assert set(out[:, 3].tolist()) <= nucleus(3, 0.9)
+    assert set(out[:, 4].tolist()) == {int(logits[4].argmax())}  # top_k=1 is greedy
+    assert set(out[:, 5].tolist()) <= set(order[5, :3].tolist())
+    # the draws follow the softmax: the top token of row 1 (top-5 renormalised) within 5 standard errors
+    p_top = probs[1, 0] / probs[1, :5].sum()
+    freq = (out[:, 1] == order[1, 0]).float().mean()
+    assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5

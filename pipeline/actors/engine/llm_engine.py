@@ -196,14 +196,17 @@ class LLMEngine:
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, results, t_start: float) -> None:
         params = [s.request.sampling for s in seqs]
         dev = logits.device
-        tokens = sample(
-            logits,
-            temperature=torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in params], device=dev),
-            top_p=torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-            seeds=torch.tensor([s.seed for s in seqs], device=dev),
-            steps=torch.tensor([len(s.output) for s in seqs], device=dev),
-        ).tolist()
+        if all(p.temperature == 0 for p in params):  # all greedy: no per-row sampling tensors to send
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = sample(
+                logits,
+                temperature=torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+                top_k=torch.tensor([p.top_k for p in params], device=dev),
+                top_p=torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+                seeds=torch.tensor([s.seed for s in seqs], device=dev),
+                steps=torch.tensor([len(s.output) for s in seqs], device=dev),
+            ).tolist()
         now = time.perf_counter()
         self._record_memory()
         for seq, token in zip(seqs, tokens, strict=True):
