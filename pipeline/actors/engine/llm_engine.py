@@ -16,6 +16,7 @@ import torch
 import kernels
 from kivi.cache import resolve_backend
 from kivi.config import KiviConfig
+from kivi.models import kv_shape
 from kivi.storage import FullStorage, QuantizedStorage
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.kv_cache import EngineCache
@@ -81,8 +82,7 @@ class LLMEngine:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs."""
         storage = self._storage()
         cfg = self.config
-        probe = EngineCache(self.model.config, storage, num_slots=1, num_pages=1, max_pages_per_seq=1,
-                            dtype=self.dtype, device=self.device)
+        layers, kv_heads, head_dim = kv_shape(self.model.config)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             limit = cfg.memory_limit_gib * 2**30 if cfg.memory_limit_gib else cfg.gpu_memory_utilization * total
@@ -93,11 +93,11 @@ class LLMEngine:
             limit, workspace, used = cfg.cpu_cache_gib * 2**30, 0, 0
         mean_len = sum(s.total_len for s in seqs) / len(seqs)
         plan = plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
-                          page_bytes=probe.page_bytes, slot_bytes=probe.slot_bytes,
+                          page_bytes=storage.page_bytes(kv_heads, head_dim, self.dtype) * layers,
+                          slot_bytes=storage.slot_bytes(kv_heads, head_dim, self.dtype) * layers,
                           pages_per_seq=storage.pages_for(int(mean_len)) + 0.5, max_batch=cfg.max_batch_size,
                           min_pages=storage.pages_for(self.max_model_len),
                           max_pages_per_slot=max(1, storage.pages_for(self.max_model_len)))
-        del probe
         self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                                  max_pages_per_seq=max(1, storage.pages_for(self.max_model_len)),
                                  dtype=self.dtype, device=self.device)
