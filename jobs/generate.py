@@ -39,6 +39,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("top-k", dict(type=int, help="0 = off (default: 0)")),
     ("seed", dict(type=int, help="sampling seed")),
     ("stop", dict(action="append", help="stop string (repeat for several)")),
+    ("ignore-eos", dict(action=BOOL, help="generate --max-new-tokens past EOS, for benchmarks (default: off)")),
     ("kivi", dict(action=BOOL, help="KIVI cache; --no-kivi: full-precision baseline (default: on)")),
     ("kv-bits", dict(type=int, help="bits per key and value code, 2 or 4 (default: 2)")),
     ("group-size", dict(type=int, help="KIVI group size G (default: 32)")),

@@ -36,6 +36,7 @@ class JobConfig:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (like vLLM's ignore_eos)
     # KV cache
     kivi: bool = True  # False (--no-kivi): full-precision baseline cache
     kv_bits: int = 2
@@ -115,7 +116,7 @@ class JobConfig:
         return out
 
 
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
 
 

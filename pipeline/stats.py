@@ -1,8 +1,11 @@
 """Per-shard stats rows (one per shard and actor) and the job summary.
 
 The actor tags every output row with hidden columns (HIDDEN, dropped before the output is written):
-which actor made it, its time to first token, its share of the batch's wall time, and the engine's
-peak memory and KV-cache bytes for that batch. The driver folds a finished shard's rows into stats.
+which actor made it, its time to first token, its share of the batch's wall time, the engine's
+peak memory and KV-cache bytes for that batch, and how long the actor took to start (model load and
+engine object in its constructor; the engine's cache plan, allocation and CUDA-graph capture, which
+happen in its first call and count in that call's time too). The driver folds a finished shard's rows
+into stats.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ HIDDEN = {
     "kv_cache_bytes": pa.int64(),
     "kv_cache_bytes_bf16": pa.int64(),
     "device_name": pa.string(),
+    "actor_start_s": pa.float64(),
+    "engine_build_s": pa.float64(),
 }
 STATS_SCHEMA = pa.schema(
     [
@@ -46,6 +51,8 @@ STATS_SCHEMA = pa.schema(
         ("model", pa.string()),
         ("device_name", pa.string()),
         ("actor_id", pa.string()),
+        ("actor_start_s", pa.float64()),
+        ("engine_build_s", pa.float64()),
     ]
 )
 
@@ -96,6 +103,8 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
                 "kv_cache_bytes_bf16": max(pick(hidden("kv_cache_bytes_bf16"))),
                 "device_name": pick(hidden("device_name"))[0],
                 "actor_id": actor,
+                "actor_start_s": max(pick(hidden("actor_start_s"))),
+                "engine_build_s": max((t for t in pick(hidden("engine_build_s")) if t is not None), default=None),
                 **job,
             }
         )
@@ -128,6 +137,9 @@ def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, 
         "kv_cache_bytes_bf16": kv_bf16,
         "kv_cache_ratio": kv / kv_bf16 if kv_bf16 else None,
         "device_names": sorted({r["device_name"] for r in rows}),
+        "max_actor_start_s": max((r["actor_start_s"] for r in rows), default=None),
+        "max_engine_build_s": max((r["engine_build_s"] for r in rows if r["engine_build_s"] is not None),
+                                  default=None),
         "model": rows[0]["model"] if rows else None,
     }
 

@@ -84,6 +84,7 @@ def test_continuous_batching_matches_generate(tiny, cache_kind):
     assert decided > 0.8 * sum(r.sampling.max_new_tokens for r in reqs)  # near-ties are rare
     stats = engine.stats()
     assert stats["max_in_flight"] == 3 and stats["decode_steps"] > 0
+    assert stats["build_s"] > 0  # the cache plan and allocation, done in the first generate call
     assert 0 < stats["kv_cache_bytes"] and 0 < stats["kv_cache_bytes_bf16"]
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots
 
@@ -147,6 +148,21 @@ def test_stop_strings_and_eos(tiny):
     assert eos.finish_reason == "stop" and eos.token_ids == base.token_ids[:k]
 
 
+def test_ignore_eos_runs_to_max_new_tokens(tiny, monkeypatch):
+    """The model's own EOS (generation_config) forced to be its first greedy token: a request stops
+    there at once, unless it asks for ignore_eos, which gives every token of max_new_tokens."""
+    prompt = list(range(5, 25))
+    base = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI)).generate(
+        [Request("x", prompt, SamplingParams(max_new_tokens=30))])[0]
+    monkeypatch.setattr(tiny.generation_config, "eos_token_id", base.token_ids[0])
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
+    assert engine.eos_ids == {base.token_ids[0]}
+    stopped, ignored = engine.generate([Request("s", prompt, SamplingParams(max_new_tokens=30)),
+                                        Request("i", prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == []
+    assert ignored.finish_reason == "length" and ignored.token_ids == base.token_ids
+
+
 def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
     reqs = requests([12, 30, 7, 19], [10, 10, 10, 10])
@@ -190,7 +206,7 @@ def test_block_manager_never_hands_out_a_page_twice():
 
 
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(stop="x"), dict(seed=1.5)])
+                                 dict(stop="x"), dict(seed=1.5), dict(ignore_eos="yes")])
 def test_sampling_params_reject_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

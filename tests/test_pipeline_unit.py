@@ -3,6 +3,7 @@ rows and stats (with a fake engine), shard assembly, and the CLI failing early o
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.generate import main
+from jobs.generate import add_arguments, main
 from pipeline import prompts, stats
 from pipeline.actors.actor import GenerateActor
 from pipeline.actors.engine import Completion, SamplingParams
@@ -75,6 +76,25 @@ def test_flags_override_file(tmp_path):
     job = build(load_yaml(f), {"max_new_tokens": 4})
     assert (job.output, job.max_new_tokens, job.kivi, job.stop) == ("out/", 4, False, ("\n",))
     assert job.kivi_config() is None
+    assert not job.ignore_eos and not job.sampling_defaults().ignore_eos
+
+
+def test_ignore_eos_from_file_flag_and_row(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("output: out/\nignore_eos: true\n")
+    assert build(load_yaml(f), {}).sampling_defaults().ignore_eos
+    assert not build(load_yaml(f), {"ignore_eos": False}).ignore_eos
+    actor = fake_actor(ignore_eos=True)
+    assert actor.sampling_defaults.ignore_eos
+    batch = pa.table({"prompt": ["a b", "c d"], "sampling_params": [None, '{"ignore_eos": false}']})
+    actor(batch)
+    assert [r.sampling.ignore_eos for r in actor.engine.seen] == [True, False]
+    with pytest.raises(ValueError, match="ignore_eos"):
+        build({}, {"output": "o", "ignore_eos": "yes"})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert vars(parser.parse_args(["--output", "o", "--ignore-eos"]))["ignore_eos"] is True
+    assert vars(parser.parse_args(["--no-ignore-eos"]))["ignore_eos"] is False
 
 
 @pytest.mark.parametrize(
@@ -275,6 +295,27 @@ def test_actor_rows_and_errors():
     assert set(out[stats.hidden("device_name")].to_pylist()) == {"fake"}
 
 
+def test_actor_reports_its_start_and_the_engines_build_time(tmp_path):
+    """Issue 4 needs how long each actor took to start: the loader's time (model load, engine object)
+    and the engine's one-time build, carried per row to the per-shard stats."""
+    import time
+
+    def slow_loader(cfg):
+        time.sleep(0.05)
+        engine = FakeEngine()
+        engine.stats = lambda: {**FakeEngine.stats(engine), "build_s": 1.5}
+        return engine, FakeTokenizer()
+
+    actor = GenerateActor({"output": "unused"}, "prompt", loader=slow_loader)
+    assert actor.start_s >= 0.05
+    out = actor(pa.table({"prompt": ["a b", "c"]}))
+    rows = stats.shard_stats("s", out, {"kv_bits": 2, "group_size": 32, "residual_length": 128, "model": "m"})
+    assert len(rows) == 1 and rows[0]["actor_start_s"] == actor.start_s and rows[0]["engine_build_s"] == 1.5
+    assert stats.stats_table(rows).column("engine_build_s").to_pylist() == [1.5]
+    summary = stats.summarize(rows, [], 2.0, 0)
+    assert summary["max_actor_start_s"] == actor.start_s and summary["max_engine_build_s"] == 1.5
+
+
 def test_actor_template_and_chat():
     actor = fake_actor("template", prompt_template="C: {context} Q: {question}", chat=True)
     batch = pa.table({"context": ["x"], "question": ["why"], "extra": [1]})
@@ -321,6 +362,8 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
     assert pq.read_table(store.stats_path("c")).num_rows == 0
     summary = stats.summarize(asm.stats_rows, asm.ttfts_ms, 1.0, 0)
     assert summary["num_requests"] == 4 and summary["shards_done"] == 2
+    assert st[0]["actor_start_s"] == actor.start_s > 0 and st[0]["engine_build_s"] is None  # fake: no build
+    assert summary["max_actor_start_s"] == actor.start_s and summary["max_engine_build_s"] is None
     (tmp_path / "out" / ".a.parquet.123.tmp").write_bytes(b"partial")  # a crashed write never counts
     os.remove(store.shard_path("b"))
     assert store.completed() == {"a", "c"}

@@ -63,7 +63,9 @@ class GenerateActor:
         if source == "template":
             self.needed |= set(template_fields(self.job.prompt_template))
         self.sampling_defaults = self.job.sampling_defaults()
+        t0 = time.perf_counter()
         self.engine, self.tokenizer = (loader or load_engine)(self.job)
+        self.start_s = time.perf_counter() - t0  # model load and engine object, once per actor
         self.actor_id = _actor_id()
         needs_chat = source == "messages" or self.job.chat
         if needs_chat and not getattr(self.tokenizer, "chat_template", None):
@@ -120,6 +122,8 @@ class GenerateActor:
             "kv_cache_bytes": int(es["kv_cache_bytes"]),
             "kv_cache_bytes_bf16": int(es["kv_cache_bytes_bf16"]),
             "device_name": str(es["device_name"]),
+            "actor_start_s": self.start_s,
+            "engine_build_s": es.get("build_s"),
         }
         cols.update(stats.hidden_columns(n, hidden))
         out = batch.drop_columns([c for c in CONSUMED_COLUMNS if c in batch.column_names])

@@ -67,6 +67,7 @@ class LLMEngine:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
         self.runner: ModelRunner | None = None
+        self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
         self.reset_stats()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -80,6 +81,7 @@ class LLMEngine:
 
     def _build(self, seqs: list[Sequence]) -> None:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs."""
+        t0 = time.perf_counter()
         storage = self._storage()
         cfg = self.config
         layers, kv_heads, head_dim = kv_shape(self.model.config)
@@ -107,6 +109,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
                                   max_len=self.max_model_len)
         self.plan = plan
+        self.build_s = time.perf_counter() - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
 
     # -- requests --------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class LLMEngine:
         self._record_memory()
         for seq, token in zip(seqs, tokens, strict=True):
             seq.t_first = seq.t_first or now
-            if token in self.eos_ids:
+            if token in self.eos_ids and not seq.request.sampling.ignore_eos:
                 seq.finish_reason = "stop"
             else:
                 seq.output.append(token)
@@ -271,7 +274,7 @@ class LLMEngine:
 
             # peak resident memory of the process (Linux reports kilobytes)
             max_mb, name = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, "cpu"
-        out = dict(self.stats_acc, max_allocated_mb=max_mb, device_name=name)
+        out = dict(self.stats_acc, max_allocated_mb=max_mb, device_name=name, build_s=self.build_s)
         if self.runner is not None:
             out.update(num_slots=self.plan.num_slots, num_pages=self.plan.num_pages)
         return out
