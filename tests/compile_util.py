@@ -8,8 +8,9 @@ subprocess with TRITON_INTERPRET removed (the interpreter replaces @triton.jit f
 where it is set, so the compile must happen elsewhere). The kernel is re-imported there by module and name.
 
 signature: {arg name: type} in triton 3.9's format: "*fp16", "*bf16", "*fp32", "*i32" (pointers), "i32",
-"i64", "fp32" (scalars). Arguments that are neither in `signature` nor in `constexprs` default to "i32"
-(strides and sizes); constexpr arguments are typed "constexpr" automatically. Constexpr values may be
+"i64", "fp32" (scalars). Arguments that are neither in `signature` nor in `constexprs` take their default
+value as a constexpr when the kernel gives one, else they are "i32" (strides and sizes); constexpr arguments
+are typed "constexpr" automatically. Constexpr values may be
 ints, floats, bools, strings, None or triton.language dtypes (tl.float16 ...).
 Returns per kernel a dict: name, num_warps, shared (bytes), cubin_bytes, ptx_lines, and `ptx` / `ttgir`
 text when keep_asm=True. A failed compile raises RuntimeError with the compiler's message.
@@ -17,6 +18,7 @@ text when keep_asm=True. A failed compile raises RuntimeError with the compiler'
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -75,6 +77,10 @@ def _spec(fn, signature: dict, constexprs: dict, options: dict | None, keep_asm:
     unknown = set(signature) - set(arg_names) | set(constexprs) - set(arg_names)
     if unknown:
         raise ValueError(f"{name}: no such arguments {sorted(unknown)}; arguments are {arg_names}")
+    # constexpr parameters left out take their default value from the kernel's signature
+    params = inspect.signature(getattr(fn, "fn", fn)).parameters
+    constexprs = {**{a: p.default for a, p in params.items() if a not in constexprs and a not in signature
+                     and p.default is not inspect.Parameter.empty}, **constexprs}
     full = {a: "constexpr" if a in constexprs else signature.get(a, "i32") for a in arg_names}
     return dict(module=module, name=name, signature=full,
                 constexprs={k: _encode_constexpr(v) for k, v in constexprs.items()},
