@@ -143,19 +143,6 @@ def plan(name: str):
         out.append(((1, 131072, 32, 32), long))
         out.append(((1, 131072, 32, 8), long))
         return out
-    if name == "fma":  # the FMA packed loop (one query head per KV head) against the table's tensor-core path
-        fma = [("new", 2, dict(use_fma=True, block_n=bn, num_warps=nw, num_stages=ns, per_sm=ps))
-               for bn, nw, ns, ps in [(128, 1, 2, 8), (128, 1, 2, 16), (64, 1, 2, 8), (64, 1, 2, 16), (32, 1, 2, 16),
-                                      (128, 1, 3, 8), (128, 2, 2, 8), (128, 4, 2, 4)]]
-        out = [((B, L, 32, 32), [("new", 2, {})] + fma) for B, L in [(8, 4096), (64, 4096), (256, 4096),
-                                                                    (128, 1024), (8, 32768)]]
-        fma4 = [("new", 4, dict(use_fma=True, block_n=bn, num_warps=1, num_stages=2, per_sm=ps))
-                for bn, ps in [(64, 8), (64, 16), (32, 16)]]
-        out.append(((64, 4096, 32, 32), [("new", 4, {})] + fma4))
-        long = [("new", 2, {})] + [("new", 2, dict(use_fma=True, block_n=bn, num_warps=1, num_stages=2,
-                                                   num_splits=s)) for bn in (64, 128) for s in (64, 128)]
-        out.append(((1, 131072, 32, 32), long))
-        return out
     raise SystemExit(f"unknown plan {name}")
 
 

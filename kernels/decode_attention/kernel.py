@@ -24,8 +24,6 @@ use exp2; every log-sum-exp in the workspace is a base-2 one.
 import triton
 import triton.language as tl
 
-from .kernel_fma import _fma_packed_blocks
-
 
 @triton.jit
 def _split_range(n_blocks, split, num_splits):
@@ -343,22 +341,16 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_L: tl.constexpr,
     KEY_VEC: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    USE_FMA: tl.constexpr = False, VALUE_T: tl.constexpr = 16, RING_N: tl.constexpr = 0,
 ):
     """grid (B, H, num_splits): KV head h of row b against its QG query heads, one split of the keys.
 
     Key blocks of one row: the packed tokens [0, nq) in BLOCK_N steps through the block table, then the
     ring slots [0, min(L, R)) in BLOCK_N steps (slot j valid iff (j - nq) mod R < L - nq). A split owns a
     contiguous range of those blocks. Packed tiles are dequantized in DOT_DTYPE registers, never stored.
-    USE_FMA (one query head per KV head): the packed blocks go through kernel_fma._fma_packed_blocks instead
-    (no tensor cores, nothing dequantized). RING_N (0: BLOCK_N) tokens of the ring are attended at a time.
     """
     tl.static_assert(PAGE % BLOCK_N == 0)
     tl.static_assert(QG_PAD >= QG)
     tl.static_assert(BLOCK_N * HEAD_DIM <= 16384)
-    tl.static_assert(not USE_FMA or (QG == 1 and QG_PAD == 1 and not USE_DOT))
-    RING_STEP: tl.constexpr = BLOCK_N if RING_N == 0 else RING_N
-    tl.static_assert(BLOCK_N % RING_STEP == 0)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -380,63 +372,50 @@ def _decode_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    # stage 2: packed tokens, page by page through the block table
+    # stage 2: packed tokens, page by page through the block table; key tile column n is token
+    # tok + tile_tok[n], the value rows follow it; acc columns are in the value words' channel order
+    tile_tok = _word_order(offs_n, 32 // K_BITS)
+    l_t = tl.zeros([QG_PAD, BLOCK_N], tl.float32)
     bt_row = block_table_ptr + slot * stride_bt_s
-    if USE_FMA:
-        m_i, l_i, acc = _fma_packed_blocks(
-            q_ptr, b, head0, stride_q_b, stride_q_h, qk_scale,
-            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, lo, tl.minimum(hi, n_packed_blocks), nq,
-            stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
-            stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-            K_BITS, V_BITS, GROUP, PAGE, HEAD_DIM, BLOCK_N, VALUE_T, NUM_STAGES,
+    for blk in tl.range(lo, tl.minimum(hi, n_packed_blocks), num_stages=NUM_STAGES):
+        tok = blk * BLOCK_N
+        page = tl.load(bt_row + tok // PAGE).to(tl.int64)
+        off = tok % PAGE
+        n_valid = nq - tok
+        valid = tile_tok < n_valid
+        k_t = _load_packed_keys_t(
+            kc_ptr + page * stride_kc_n + h * stride_kc_h,
+            ks_ptr + page * stride_ks_n + h * stride_ks_h,
+            kz_ptr + page * stride_ks_n + h * stride_ks_h,
+            off, n_valid, stride_kc_w, stride_ks_g, K_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM, KEY_VEC,
         )
-    else:
-        # key tile column n is token tok + tile_tok[n], the value rows follow it; acc columns are in the value
-        # words' channel order
-        tile_tok = _word_order(offs_n, 32 // K_BITS)
-        l_t = tl.zeros([QG_PAD, BLOCK_N], tl.float32)
-        for blk in tl.range(lo, tl.minimum(hi, n_packed_blocks), num_stages=NUM_STAGES):
-            tok = blk * BLOCK_N
-            page = tl.load(bt_row + tok // PAGE).to(tl.int64)
-            off = tok % PAGE
-            n_valid = nq - tok
-            valid = tile_tok < n_valid
-            k_t = _load_packed_keys_t(
-                kc_ptr + page * stride_kc_n + h * stride_kc_h,
-                ks_ptr + page * stride_ks_n + h * stride_ks_h,
-                kz_ptr + page * stride_ks_n + h * stride_ks_h,
-                off, n_valid, stride_kc_w, stride_ks_g, K_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM, KEY_VEC,
-            )
-            v = _load_packed_values(
-                vc_ptr + page * stride_vc_n + h * stride_vc_h,
-                vs_ptr + page * stride_vs_n + h * stride_vs_h,
-                vz_ptr + page * stride_vs_n + h * stride_vs_h,
-                off + tile_tok, valid, stride_vc_t, stride_vs_t, V_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
-            )
-            if LAZY_L:
-                m_i, l_t, acc = _attend_block_lazy(q, k_t, v, valid, m_i, l_t, acc, qk_scale, USE_DOT, DOT_DTYPE,
-                                                   INPUT_PRECISION)
-            else:
-                m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
-                                              INPUT_PRECISION)
+        v = _load_packed_values(
+            vc_ptr + page * stride_vc_n + h * stride_vc_h,
+            vs_ptr + page * stride_vs_n + h * stride_vs_h,
+            vz_ptr + page * stride_vs_n + h * stride_vs_h,
+            off + tile_tok, valid, stride_vc_t, stride_vs_t, V_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
+        )
         if LAZY_L:
-            l_i = tl.sum(l_t, axis=1)
-        acc = _unpermute_channels(acc, QG_PAD, HEAD_DIM, V_BITS)
+            m_i, l_t, acc = _attend_block_lazy(q, k_t, v, valid, m_i, l_t, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                               INPUT_PRECISION)
+        else:
+            m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                          INPUT_PRECISION)
+    if LAZY_L:
+        l_i = tl.sum(l_t, axis=1)
+    acc = _unpermute_channels(acc, QG_PAD, HEAD_DIM, V_BITS)
 
     # stage 3: full-precision residual ring (ring order never matters)
     res_off = slot * stride_res_s + h * stride_res_h
     nq_mod = nq % RESIDUAL
-    offs_ring = tl.arange(0, RING_STEP)
     for blk in tl.range(tl.maximum(lo, n_packed_blocks) - n_packed_blocks, hi - n_packed_blocks, num_stages=1):
-        for sub in tl.static_range(BLOCK_N // RING_STEP):
-            ring = blk * BLOCK_N + sub * RING_STEP + offs_ring
-            valid = ((ring + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (ring < RESIDUAL)
-            k_t = tl.load(kr_ptr + res_off + ring[None, :] * stride_res_t + offs_d[:, None], mask=valid[None, :],
-                          other=0.0)
-            v = tl.load(vr_ptr + res_off + ring[:, None] * stride_res_t + offs_d[None, :], mask=valid[:, None],
-                        other=0.0)
-            m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
-                                          INPUT_PRECISION)
+        ring = blk * BLOCK_N + offs_n
+        valid = ((ring + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (ring < RESIDUAL)
+        k_t = tl.load(kr_ptr + res_off + ring[None, :] * stride_res_t + offs_d[:, None], mask=valid[None, :],
+                      other=0.0)
+        v = tl.load(vr_ptr + res_off + ring[:, None] * stride_res_t + offs_d[None, :], mask=valid[:, None],
+                    other=0.0)
+        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
 
     # stage 4: normalized output (or split partial + log-sum-exp)
     _store_partial(

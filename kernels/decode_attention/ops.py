@@ -85,7 +85,6 @@ def decode_attention(
     num_stages: int | None = None,
     lazy: bool | None = None,
     key_vec: int | None = None,
-    use_fma: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -95,8 +94,7 @@ def decode_attention(
     query group padded to 16 rows; False: broadcast-multiply-reduce in fp32), num_warps, num_stages (software
     pipelining depth of the packed loop), lazy (per-column softmax denominator, summed once at the end),
     key_vec (key-word loads per thread along channels; 1 keeps the dequantized key tile's shared-memory
-    stores free of bank conflicts), use_fma (one query head per KV head only: the packed blocks without tensor
-    cores, scales folded into the query and the probabilities; kernel_fma.py).
+    stores free of bank conflicts).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -109,12 +107,7 @@ def decode_attention(
         return out
 
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
-    use_fma = False if use_fma is None else bool(use_fma)
-    if use_fma and qg != 1:
-        raise ValueError(f"{_OP}: use_fma needs one query head per KV head, got {q_heads} and {kv_heads}")
-    use_dot = (not use_fma) if use_dot is None else bool(use_dot)
-    if use_fma and use_dot:
-        raise ValueError(f"{_OP}: use_fma and use_dot exclude each other")
+    use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
     max_tokens = block_table.shape[1] * page_size + residual_length
     cfg = launch_config(batch, kv_heads, qg, max_tokens, page_size, head_dim, precision is None, use_dot, q.device,
@@ -132,11 +125,6 @@ def decode_attention(
     C.check_int(_OP, "num_warps", num_warps, (1, 2, 4, 8, 16))
     C.check_int(_OP, "num_stages", num_stages)
 
-    fma_args = {}
-    if use_fma:  # value tile [BLOCK_N // T, T, words]: lanes along its words (16-byte vectors), then tokens
-        value_words = head_dim * v_bits // 32
-        fma_args = dict(USE_FMA=True, VALUE_T=min(block_n, 32 // max(1, value_words // 4)),
-                        RING_N=min(block_n, 32))
     o, lse, o_strides, workspace = C.output_args(out, num_splits)
     _decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
@@ -153,7 +141,7 @@ def decode_attention(
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
         HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
         LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        USE_ASM=not C.interpreting(), **fma_args, num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=not C.interpreting(), num_warps=num_warps, num_stages=num_stages,
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)
