@@ -47,7 +47,8 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
         return t
     from kernels.decode_attention.ops import MAX_SPLITS, launch_config
 
-    cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits)
+    cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits,
+                        swap=bool(t.get("swap_ab", False)))
     per_sm = t.pop("per_sm", None)
     if per_sm is not None:
         from kernels.decode_attention import common as C
@@ -142,6 +143,15 @@ def plan(name: str):
                                   for bn, nw in [(64, 4), (32, 1)] for kv in (1, 4) for s in (16, 32, 64)]
         out.append(((1, 131072, 32, 32), long))
         out.append(((1, 131072, 32, 8), long))
+        return out
+    if name == "swap":  # the swapped-operand loop (kernel_swap.py) against the tensor-core table
+        def vs(extra=()):
+            return ([("new", 2, dict(swap_ab=False)), ("new", 2, dict(swap_ab=True))]
+                    + [("new", 2, dict(swap_ab=True, per_sm=p)) for p in (4, 16)] + list(extra))
+        out = [((B, L, Hq, H), vs()) for B, L, Hq, H in [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32),
+                                                        (128, 1024, 32, 32), (64, 4096, 32, 8), (8, 32768, 32, 8)]]
+        out.append(((1, 131072, 32, 32), [("new", 2, dict(swap_ab=False))]
+                    + [("new", 2, dict(swap_ab=True, num_splits=s)) for s in (64, 132, 264)]))
         return out
     raise SystemExit(f"unknown plan {name}")
 

@@ -213,6 +213,12 @@ KERNEL_CASES = [
     Case((700, 129, 0), 4, 1, 128, 2, 2, dtype=torch.float16, block_n=32, num_splits=3,
          extra=(("num_warps", 1), ("lazy", False), ("key_vec", 4))),
     Case((500, 300), 2, 2, 64, 2, 4, dtype=torch.float16, block_n=128, extra=(("num_warps", 8), ("num_stages", 2))),
+    # the swapped-operand loop (kernel_swap.py: 2-bit, D=128, 128-token blocks): MHA and GQA, odd lengths,
+    # empty rows, splits, G=16/64, pages of 256, fp32 (exact dots) and fp16
+    Case((1000, 161, 0), 3, 3, 128, 2, 2, num_splits=2, extra=(("swap_ab", True),)),
+    Case((700, 33, 300), 8, 2, 128, 2, 2, dtype=torch.float16, num_splits=3, extra=(("swap_ab", True),)),
+    Case((500, 150), 4, 4, 128, 2, 2, group_size=64, residual=192, extra=(("swap_ab", True),)),
+    Case((333, 290), 3, 1, 128, 2, 2, group_size=16, residual=48, page_size=256, extra=(("swap_ab", True),)),
 ]
 
 
@@ -248,16 +254,18 @@ def test_kernel_noncontiguous_query_and_fresh_output():
         (lambda a: a.update(slots=a["slots"].long()), TypeError, "slots has dtype"),
         (lambda a: a.update(seq_lens=a["seq_lens"][:1]), ValueError, "seq_lens has shape"),
         (lambda a: a.update(k_res=a["k_res"].transpose(2, 3)), ValueError, "k_res has shape"),
+        (lambda a: a.update(swap_ab=True), ValueError, "swap_ab needs 2-bit keys and values, head_dim 128"),
     ],
-    ids=["q-heads", "k_codes-shape", "v_scale-dtype", "slots-dtype", "seq_lens-shape", "k_res-shape"],
+    ids=["q-heads", "k_codes-shape", "v_scale-dtype", "slots-dtype", "seq_lens-shape", "k_res-shape", "swap-d64"],
 )
 def test_launcher_rejects_bad_arguments(mutate, error, match):
     case = Case((40, 50), 8, 2, 64, 2, 2)
     q, cache, _ = make_inputs(case)
     args = dict(q=q, **{k: v for k, v in cache.items()})
     mutate(args)
+    tuning = {"swap_ab": args.pop("swap_ab")} if "swap_ab" in args else {}
     with pytest.raises(error, match=match):
-        run(decode_attention, case, args.pop("q"), args)
+        run(decode_attention, case, args.pop("q"), args, **tuning)
 
 
 def test_choose_num_splits():
@@ -283,6 +291,8 @@ def test_kernels_compile_for_h200():
         dict(common, QG=3, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.float16, q="*fp16", cache="fp16", HEAD_DIM=64,
              V_BITS=4, BLOCK_N=128, KEY_VEC=4, stride_kc_w=64, stride_ks_g=64, stride_vc_t=8, stride_vs_t=2,
              stride_res_t=64),
+        dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.bfloat16, q="*bf16", cache="bf16", BLOCK_N=128,
+             NUM_STAGES=2, SWAP_AB=True, RING_N=32),
     ]
     specs = []
     for v in variants:
@@ -292,7 +302,8 @@ def test_kernels_compile_for_h200():
                     vs_ptr="*" + cache_ty, vz_ptr="*" + cache_ty, kr_ptr="*" + cache_ty, vr_ptr="*" + cache_ty,
                     block_table_ptr="*i32", slots_ptr="*i32", seq_lens_ptr="*i32", o_ptr=o_ty,
                     lse_ptr="*fp32", qk_scale="fp32", num_splits="i32")
-        specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=8 if v["QG"] == 1 else 4)))
+        warps = 1 if v.get("SWAP_AB") else 8 if v["QG"] == 1 else 4
+        specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=warps)))
     specs.append((kernel._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

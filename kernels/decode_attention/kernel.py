@@ -341,16 +341,23 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_L: tl.constexpr,
     KEY_VEC: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr = False, RING_N: tl.constexpr = 0,
 ):
     """grid (B, H, num_splits): KV head h of row b against its QG query heads, one split of the keys.
 
     Key blocks of one row: the packed tokens [0, nq) in BLOCK_N steps through the block table, then the
     ring slots [0, min(L, R)) in BLOCK_N steps (slot j valid iff (j - nq) mod R < L - nq). A split owns a
     contiguous range of those blocks. Packed tiles are dequantized in DOT_DTYPE registers, never stored.
+    SWAP_AB (2-bit keys and values, D = 128, BLOCK_N = 128): the packed blocks go through
+    kernel_swap._swap_packed_blocks, whose dequantized tiles stay in registers as the mma's A operand.
+    RING_N (0: BLOCK_N) ring tokens are attended at a time.
     """
     tl.static_assert(PAGE % BLOCK_N == 0)
     tl.static_assert(QG_PAD >= QG)
     tl.static_assert(BLOCK_N * HEAD_DIM <= 16384)
+    tl.static_assert(not SWAP_AB or (K_BITS == 2 and V_BITS == 2 and HEAD_DIM == 128 and BLOCK_N == 128 and USE_DOT))
+    RING_STEP: tl.constexpr = BLOCK_N if RING_N == 0 else RING_N
+    tl.static_assert(BLOCK_N % RING_STEP == 0)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -372,50 +379,65 @@ def _decode_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    # stage 2: packed tokens, page by page through the block table; key tile column n is token
-    # tok + tile_tok[n], the value rows follow it; acc columns are in the value words' channel order
-    tile_tok = _word_order(offs_n, 32 // K_BITS)
-    l_t = tl.zeros([QG_PAD, BLOCK_N], tl.float32)
+    # stage 2: packed tokens, page by page through the block table
     bt_row = block_table_ptr + slot * stride_bt_s
-    for blk in tl.range(lo, tl.minimum(hi, n_packed_blocks), num_stages=NUM_STAGES):
-        tok = blk * BLOCK_N
-        page = tl.load(bt_row + tok // PAGE).to(tl.int64)
-        off = tok % PAGE
-        n_valid = nq - tok
-        valid = tile_tok < n_valid
-        k_t = _load_packed_keys_t(
-            kc_ptr + page * stride_kc_n + h * stride_kc_h,
-            ks_ptr + page * stride_ks_n + h * stride_ks_h,
-            kz_ptr + page * stride_ks_n + h * stride_ks_h,
-            off, n_valid, stride_kc_w, stride_ks_g, K_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM, KEY_VEC,
+    if SWAP_AB:
+        m_i, l_i, acc = _swap_packed_blocks(
+            q_ptr, b, head0, stride_q_b, stride_q_h, qk_scale,
+            kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, lo, tl.minimum(hi, n_packed_blocks), nq,
+            stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+            stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+            GROUP, PAGE, QG, QG_PAD, DOT_DTYPE, USE_ASM, NUM_STAGES, INPUT_PRECISION,
         )
-        v = _load_packed_values(
-            vc_ptr + page * stride_vc_n + h * stride_vc_h,
-            vs_ptr + page * stride_vs_n + h * stride_vs_h,
-            vz_ptr + page * stride_vs_n + h * stride_vs_h,
-            off + tile_tok, valid, stride_vc_t, stride_vs_t, V_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
-        )
+    else:
+        # key tile column n is token tok + tile_tok[n], the value rows follow it; acc columns are in the value
+        # words' channel order
+        tile_tok = _word_order(offs_n, 32 // K_BITS)
+        l_t = tl.zeros([QG_PAD, BLOCK_N], tl.float32)
+        for blk in tl.range(lo, tl.minimum(hi, n_packed_blocks), num_stages=NUM_STAGES):
+            tok = blk * BLOCK_N
+            page = tl.load(bt_row + tok // PAGE).to(tl.int64)
+            off = tok % PAGE
+            n_valid = nq - tok
+            valid = tile_tok < n_valid
+            k_t = _load_packed_keys_t(
+                kc_ptr + page * stride_kc_n + h * stride_kc_h,
+                ks_ptr + page * stride_ks_n + h * stride_ks_h,
+                kz_ptr + page * stride_ks_n + h * stride_ks_h,
+                off, n_valid, stride_kc_w, stride_ks_g, K_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM, KEY_VEC,
+            )
+            v = _load_packed_values(
+                vc_ptr + page * stride_vc_n + h * stride_vc_h,
+                vs_ptr + page * stride_vs_n + h * stride_vs_h,
+                vz_ptr + page * stride_vs_n + h * stride_vs_h,
+                off + tile_tok, valid, stride_vc_t, stride_vs_t, V_BITS, GROUP, BLOCK_N, HEAD_DIM, DOT_DTYPE, USE_ASM,
+            )
+            if LAZY_L:
+                m_i, l_t, acc = _attend_block_lazy(q, k_t, v, valid, m_i, l_t, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                                   INPUT_PRECISION)
+            else:
+                m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                              INPUT_PRECISION)
         if LAZY_L:
-            m_i, l_t, acc = _attend_block_lazy(q, k_t, v, valid, m_i, l_t, acc, qk_scale, USE_DOT, DOT_DTYPE,
-                                               INPUT_PRECISION)
-        else:
-            m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
-                                          INPUT_PRECISION)
-    if LAZY_L:
-        l_i = tl.sum(l_t, axis=1)
-    acc = _unpermute_channels(acc, QG_PAD, HEAD_DIM, V_BITS)
+            l_i = tl.sum(l_t, axis=1)
+        acc = _unpermute_channels(acc, QG_PAD, HEAD_DIM, V_BITS)
 
     # stage 3: full-precision residual ring (ring order never matters)
     res_off = slot * stride_res_s + h * stride_res_h
     nq_mod = nq % RESIDUAL
+    # (RING_STEP tokens at a time: a smaller tile keeps the shared memory of its dots, and so the occupancy of the
+    # whole kernel, independent of BLOCK_N)
+    offs_ring = tl.arange(0, RING_STEP)
     for blk in tl.range(tl.maximum(lo, n_packed_blocks) - n_packed_blocks, hi - n_packed_blocks, num_stages=1):
-        ring = blk * BLOCK_N + offs_n
-        valid = ((ring + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (ring < RESIDUAL)
-        k_t = tl.load(kr_ptr + res_off + ring[None, :] * stride_res_t + offs_d[:, None], mask=valid[None, :],
-                      other=0.0)
-        v = tl.load(vr_ptr + res_off + ring[:, None] * stride_res_t + offs_d[None, :], mask=valid[:, None],
-                    other=0.0)
-        m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
+        for sub in tl.static_range(BLOCK_N // RING_STEP):
+            ring = blk * BLOCK_N + sub * RING_STEP + offs_ring
+            valid = ((ring + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (ring < RESIDUAL)
+            k_t = tl.load(kr_ptr + res_off + ring[None, :] * stride_res_t + offs_d[:, None], mask=valid[None, :],
+                          other=0.0)
+            v = tl.load(vr_ptr + res_off + ring[:, None] * stride_res_t + offs_d[None, :], mask=valid[:, None],
+                        other=0.0)
+            m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
+                                          INPUT_PRECISION)
 
     # stage 4: normalized output (or split partial + log-sum-exp)
     _store_partial(
@@ -423,3 +445,7 @@ def _decode_attention_kernel(
         stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
         QG, QG_PAD, HEAD_DIM, SPLIT,
     )
+
+
+# the swapped-operand packed loop uses the unpacking helpers above (imported last: it imports them from here)
+from .kernel_swap import _swap_packed_blocks  # noqa: E402

@@ -23,6 +23,15 @@ _OP = "decode_attention"
 _ONE_WARP = (32, 1, 2, True, 1, 8)
 _FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
 MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
+SWAP_PER_SM = 16  # programs per SM the swapped-operand loop's split count aims for
+
+
+def prefer_swap(rows: int, max_tokens: int) -> bool:
+    """Where the swapped-operand loop measured faster than the table's tensor-core path on the H200
+    (kernels-20261129-h200-sweep-swap.json): 64-256 KV rows of long context (B=8 at 4,096 tokens, 32/32
+    heads: 128 vs 149 us; B=8 at 32,768, 32/8: 248 vs 310 us). With many rows it is 10% slower, at one row
+    8% slower."""
+    return 64 <= rows <= 256 and max_tokens >= 4096
 
 
 def _table_config(rows: int, qg: int, bits: int, max_tokens: int) -> tuple:
@@ -39,10 +48,20 @@ def _table_config(rows: int, qg: int, bits: int, max_tokens: int) -> tuple:
     return _ONE_WARP if one_warp else _FOUR_WARPS[4]
 
 
+def swap_eligible(k_bits: int, v_bits: int, head_dim: int, page_size: int, use_dot: bool) -> bool:
+    """Whether the swapped-operand packed loop (kernel_swap.py) can run this call."""
+    return k_bits == v_bits == 2 and head_dim == 128 and page_size % 128 == 0 and use_dot
+
+
 def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size: int, head_dim: int,
-                  dot16: bool, use_dot: bool, device: torch.device, bits: int = 2) -> dict:
-    """block_n, num_warps, num_stages, lazy, key_vec and num_splits for one call (host-side ints only, so the
-    choice is stable inside a CUDA graph). bits: the larger of k_bits and v_bits."""
+                  dot16: bool, use_dot: bool, device: torch.device, bits: int = 2, swap: bool = False) -> dict:
+    """block_n, num_warps, num_stages, lazy, key_vec, num_splits and swap_ab for one call (host-side ints only,
+    so the choice is stable inside a CUDA graph). bits: the larger of k_bits and v_bits; swap: use the
+    swapped-operand loop (the caller checked swap_eligible)."""
+    if swap:  # 128-token one-warp programs; the loop's dequantized tiles live in registers
+        splits = C.choose_num_splits(batch * kv_heads, max_tokens, device, programs_per_sm=SWAP_PER_SM,
+                                     max_splits=MAX_SPLITS)
+        return dict(block_n=128, num_warps=1, num_stages=2, lazy=True, key_vec=1, num_splits=splits, swap_ab=True)
     if dot16 and use_dot:
         block_n, warps, stages, lazy, key_vec, per_sm = _table_config(batch * kv_heads, qg, bits, max_tokens)
     else:  # fp32 tiles (fp32 caches, mixed dtypes) or the broadcast path: registers double
@@ -54,7 +73,7 @@ def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size
     splits = C.choose_num_splits(batch * kv_heads, max_tokens, device, programs_per_sm=per_sm,
                                  max_splits=MAX_SPLITS)
     return dict(block_n=block_n, num_warps=warps, num_stages=stages, lazy=lazy, key_vec=key_vec,
-                num_splits=splits)
+                num_splits=splits, swap_ab=False)
 
 
 def decode_attention(
@@ -85,6 +104,7 @@ def decode_attention(
     num_stages: int | None = None,
     lazy: bool | None = None,
     key_vec: int | None = None,
+    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -94,7 +114,8 @@ def decode_attention(
     query group padded to 16 rows; False: broadcast-multiply-reduce in fp32), num_warps, num_stages (software
     pipelining depth of the packed loop), lazy (per-column softmax denominator, summed once at the end),
     key_vec (key-word loads per thread along channels; 1 keeps the dequantized key tile's shared-memory
-    stores free of bank conflicts).
+    stores free of bank conflicts), swap_ab (2-bit keys and values, head_dim 128, block_n 128 only: the
+    transposed products of kernel_swap.py, whose dequantized tiles never leave registers).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -110,8 +131,16 @@ def decode_attention(
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
     max_tokens = block_table.shape[1] * page_size + residual_length
+    eligible = swap_eligible(k_bits, v_bits, head_dim, page_size, use_dot)
+    if swap_ab and not eligible:
+        raise ValueError(f"{_OP}: swap_ab needs 2-bit keys and values, head_dim 128, a page size that 128 divides "
+                         f"and use_dot; got k_bits={k_bits}, v_bits={v_bits}, head_dim={head_dim}, "
+                         f"page_size={page_size}, use_dot={use_dot}")
+    if swap_ab is None:  # by default where measured faster (16-bit operands, 128-token blocks)
+        swap_ab = (eligible and precision is None and block_n in (None, 128)
+                   and prefer_swap(batch * kv_heads, max_tokens))
     cfg = launch_config(batch, kv_heads, qg, max_tokens, page_size, head_dim, precision is None, use_dot, q.device,
-                        bits=max(k_bits, v_bits))
+                        bits=max(k_bits, v_bits), swap=swap_ab)
     block_n = cfg["block_n"] if block_n is None else block_n
     num_splits = cfg["num_splits"] if num_splits is None else num_splits
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
@@ -125,6 +154,8 @@ def decode_attention(
     C.check_int(_OP, "num_warps", num_warps, (1, 2, 4, 8, 16))
     C.check_int(_OP, "num_stages", num_stages)
 
+    if swap_ab and block_n != 128:
+        raise ValueError(f"{_OP}: swap_ab needs block_n 128, got {block_n}")
     o, lse, o_strides, workspace = C.output_args(out, num_splits)
     _decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
@@ -141,7 +172,8 @@ def decode_attention(
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
         HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
         LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        USE_ASM=not C.interpreting(), num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)
