@@ -142,10 +142,32 @@ def test_stop_strings_and_eos(tiny):
     first_char = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30,
                                                                                    stop=(base.text[0],)))])[0]
     assert first_char.finish_reason == "stop" and first_char.text == ""
+    # a stop first completed far past the tail window that is decoded each step (4 * 2 + 8 tokens)
+    late = next(base.text[i:i + 2] for i in range(27, 0, -1) if base.text.find(base.text[i:i + 2]) >= 20)
+    cut_late = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30,
+                                                                                 stop=(late,)))])[0]
+    assert cut_late.finish_reason == "stop" and cut_late.text == base.text[:base.text.find(late)]
     engine.eos_ids = {base.token_ids[4]}
     eos = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30))])[0]
     k = base.token_ids.index(base.token_ids[4])
     assert eos.finish_reason == "stop" and eos.token_ids == base.token_ids[:k]
+
+
+def test_stop_string_check_decodes_a_tail_not_the_whole_output(tiny):
+    """Checking stop strings decodes a bounded tail each step, not the whole output (quadratic in length);
+    only the final text is decoded whole."""
+    lengths = []
+
+    class CountingTokenizer(StubTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            lengths.append(len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    engine = LLMEngine(tiny, CountingTokenizer(), EngineConfig(kivi=SMALL_KIVI))
+    out = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=60, stop=("\n",)))])[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 60  # "\n" never decodes from the stub
+    window = 4 * 1 + 8
+    assert lengths[-1] == 60 and max(lengths[:-1]) <= window
 
 
 def test_ignore_eos_runs_to_max_new_tokens(tiny, monkeypatch):

@@ -229,6 +229,15 @@ class LLMEngine:
         stops = seq.request.sampling.stop
         if not stops:
             return False
+        # A stop string first appears at the step whose token completes it, so it lies in the last few tokens:
+        # decode only those each step (decoding the whole output every step is quadratic in its length), and
+        # the whole output once a tail shows a stop (the cut position comes from the whole text). A stop of m
+        # characters spans at most 4m tokens (byte-fallback tokens carry a UTF-8 byte each).
+        window = 4 * max(len(s) for s in stops) + 8
+        if len(seq.output) > window:
+            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=True)
+            if not any(s in tail for s in stops):
+                return False
         text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
         cut = min((text.find(s) for s in stops if s in text), default=-1)
         if cut >= 0:
