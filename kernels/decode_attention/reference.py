@@ -75,9 +75,14 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     use_dot: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    lazy: bool | None = None,
+    key_vec: int | None = None,
+    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
-    del num_splits, block_n, use_dot
+    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()
