@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels import packing  # noqa: E402
-from kernels.decode_attention import decode_attention, kernel, reference  # noqa: E402
+from kernels.decode_attention import attend, decode_attention, kernel, reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 6e-2}
@@ -304,7 +304,7 @@ def test_kernels_compile_for_h200():
                     lse_ptr="*fp32", qk_scale="fp32", num_splits="i32")
         warps = 1 if v.get("SWAP_AB") else 8 if v["QG"] == 1 else 4
         specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=warps)))
-    specs.append((kernel._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
+    specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):
         assert result["cubin_bytes"] > 0, result

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .kernel import _merge_splits_kernel
+from .attend import _merge_splits_kernel
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NUM_SMS_DEFAULT = 132  # H200

@@ -28,7 +28,7 @@ programs), not the DRAM bound. The launcher uses it only where it measured faste
 import triton
 import triton.language as tl
 
-from .kernel import _dequantize_words, _scale_zero
+from .unpack import _dequantize_words, _scale_zero
 
 
 @triton.jit
