@@ -205,6 +205,28 @@ def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
     assert engine.stats()["oom_retries"] == 1 and calls[0] == 4 and max(calls[1:]) < 4
 
 
+def test_prefill_that_keeps_failing_at_a_size_is_not_retried_at_it(tiny, monkeypatch):
+    """Memory that fits 50 padded prefill tokens, not more: after the first OOM the budget never regrows to
+    a size that failed (before, each success doubled it back into the same OOM)."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=8))
+    reqs = requests([12] * 24, [3] * 24, seed=5)
+    expected = [c.token_ids for c in engine.generate(reqs)]
+    real_prefill, padded = engine.runner.prefill, []
+
+    def limited(prompts, slots, chunk_tokens=None):
+        padded.append(max(map(len, prompts)) * len(prompts))
+        if padded[-1] > 50:
+            raise torch.OutOfMemoryError("simulated")
+        return real_prefill(prompts, slots, chunk_tokens)
+
+    monkeypatch.setattr(engine.runner, "prefill", limited)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine.reset_stats()
+    out = engine.generate(reqs)
+    assert [c.token_ids for c in out] == expected
+    assert engine.stats()["oom_retries"] == 1 and padded[0] == 96 and max(padded[1:]) <= 48
+
+
 def test_memory_plan_splits_budget_into_slots_and_pages():
     plan = plan_cache(limit_bytes=10_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
                       pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8)

@@ -160,7 +160,7 @@ class LLMEngine:
             logits = self.runner.prefill([s.request.prompt_token_ids for s in batch], [s.slot for s in batch],
                                          chunk_tokens=self.scheduler.prefill_tokens)
         except torch.OutOfMemoryError:
-            self._out_of_memory(batch, results)
+            self._out_of_memory(batch, results, prefill=True)
             return
         self.scheduler.start_running(batch)
         self._sample_and_advance(batch, logits, results, t_start)
@@ -183,7 +183,7 @@ class LLMEngine:
         self.stats_acc["decode_s"] += time.perf_counter() - t0
         self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], len(running))
 
-    def _out_of_memory(self, seqs: list[Sequence], results) -> None:
+    def _out_of_memory(self, seqs: list[Sequence], results, prefill: bool = False) -> None:
         """Shrink the batch and put the work back in the queue; a lone sequence that fails is an error."""
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
@@ -192,7 +192,7 @@ class LLMEngine:
             self.blocks.release(seqs[0])
             results[seqs[0].index] = self._error(seqs[0].request, "CUDA out of memory for this request alone")
             return
-        self.scheduler.shrink(seqs)
+        self.scheduler.shrink(seqs, prefill=prefill)
         log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",
                     len(seqs), self.scheduler.prefill_tokens)
 

@@ -12,7 +12,9 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, prefill_tokens: int) -> None:
         self.blocks = blocks
         self.max_prefill_tokens = prefill_tokens
-        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (halved on OOM, then regrows)
+        # padded tokens per prefill forward: halved on an OOM, then regrows up to max_prefill_tokens, which a
+        # prefill OOM lowers to half the size that failed
+        self.prefill_tokens = prefill_tokens
         self.max_running = blocks.num_slots  # sequences in flight (halved on a decode OOM)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -46,8 +48,12 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
 
-    def shrink(self, seqs: list[Sequence]) -> None:
-        """Requeue `seqs` from scratch at the front; the next prefill gets at most half their tokens."""
+    def shrink(self, seqs: list[Sequence], prefill: bool = False) -> None:
+        """Requeue `seqs` from scratch at the front; the next prefill gets at most half their tokens.
+
+        prefill: their prefill ran out of memory, so the budget also never regrows past half its size (a
+        prefill of that size would fail again: the cache is allocated once, so free memory does not grow).
+        """
         for seq in reversed(seqs):
             self.blocks.release(seq)
             if seq in self.running:
@@ -56,3 +62,5 @@ class Scheduler:
             self.waiting.appendleft(seq)
         padded = max(s.prompt_len for s in seqs) * len(seqs)
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
+        if prefill:
+            self.max_prefill_tokens = min(self.max_prefill_tokens, max(1, padded // 2))
