@@ -185,23 +185,32 @@ def test_ignore_eos_runs_to_max_new_tokens(tiny, monkeypatch):
     assert ignored.finish_reason == "length" and ignored.token_ids == base.token_ids
 
 
-def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
-    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
-    reqs = requests([12, 30, 7, 19], [10, 10, 10, 10])
+def run_with_failing_prefill(engine, monkeypatch, reqs, fails) -> list:
+    """Generate reqs once normally, then again with prefill raising OOM where fails(prompts, call) is true
+    (call counts from 1); asserts the second run's tokens equal the first's. Returns the prompts of each
+    prefill tried."""
     expected = [c.token_ids for c in engine.generate(reqs)]
-    real_prefill, calls = engine.runner.prefill, []
+    real_prefill, tried = engine.runner.prefill, []
 
-    def flaky(prompts, slots, chunk_tokens=None):
-        calls.append(len(prompts))
-        if len(calls) == 1:
+    def prefill(prompts, slots, chunk_tokens=None):
+        tried.append(prompts)
+        if fails(prompts, len(tried)):
             raise torch.OutOfMemoryError("simulated")
         return real_prefill(prompts, slots, chunk_tokens)
 
-    monkeypatch.setattr(engine.runner, "prefill", flaky)
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     engine.reset_stats()
     out = engine.generate(reqs)
     assert [c.token_ids for c in out] == expected
+    return tried
+
+
+def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    reqs = requests([12, 30, 7, 19], [10, 10, 10, 10])
+    tried = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda prompts, call: call == 1)
+    calls = [len(p) for p in tried]
     assert engine.stats()["oom_retries"] == 1 and calls[0] == 4 and max(calls[1:]) < 4
 
 
@@ -210,20 +219,9 @@ def test_prefill_that_keeps_failing_at_a_size_is_not_retried_at_it(tiny, monkeyp
     a size that failed (before, each success doubled it back into the same OOM)."""
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=8))
     reqs = requests([12] * 24, [3] * 24, seed=5)
-    expected = [c.token_ids for c in engine.generate(reqs)]
-    real_prefill, padded = engine.runner.prefill, []
-
-    def limited(prompts, slots, chunk_tokens=None):
-        padded.append(max(map(len, prompts)) * len(prompts))
-        if padded[-1] > 50:
-            raise torch.OutOfMemoryError("simulated")
-        return real_prefill(prompts, slots, chunk_tokens)
-
-    monkeypatch.setattr(engine.runner, "prefill", limited)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    engine.reset_stats()
-    out = engine.generate(reqs)
-    assert [c.token_ids for c in out] == expected
+    padded_of = lambda prompts: max(map(len, prompts)) * len(prompts)  # noqa: E731
+    tried = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda prompts, call: padded_of(prompts) > 50)
+    padded = [padded_of(p) for p in tried]
     assert engine.stats()["oom_retries"] == 1 and padded[0] == 96 and max(padded[1:]) <= 48
 
 
