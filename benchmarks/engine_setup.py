@@ -1,0 +1,163 @@
+"""bench_engine's set-up: cache formats and their bytes, random-weight models, prompts, memory helpers."""
+
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass
+
+import torch
+
+GiB = 2**30
+
+
+# -- cache formats: bytes per sequence --------------------------------------------------------------
+@dataclass(frozen=True)
+class KVFormat:
+    """A sequence's KV cache bytes in one format, all layers. bits=16: plain bf16."""
+
+    layers: int
+    heads: int  # KV heads
+    head_dim: int
+    bits: int = 16
+    group: int = 32
+    residual: int = 128
+    page: int = 128
+
+    @property
+    def bf16_token(self) -> int:
+        return self.layers * 2 * self.heads * self.head_dim * 2
+
+    @property
+    def packed_token(self) -> int:
+        """Codes of K and V, plus the scale and zero of keys (per G tokens) and values (per G channels)."""
+        hd = self.heads * self.head_dim
+        return self.layers * (2 * hd * self.bits // 8 + 8 * hd // self.group)
+
+    def quantized(self, length: int) -> int:
+        if self.bits == 16:
+            return 0
+        return self.group * math.ceil(max(0, length - self.residual) / self.group)
+
+    def read_bytes(self, length: int) -> int:
+        """What one decode step reads for a sequence of `length` cached tokens."""
+        nq = self.quantized(length)
+        return nq * self.packed_token + (length - nq) * self.bf16_token
+
+    def held_bytes(self, length: int) -> int:
+        """What the cache holds for it (whole pages, the full residual ring)."""
+        if self.bits == 16:
+            return length * self.bf16_token
+        pages = math.ceil(self.quantized(length) / self.page)
+        return pages * self.page * self.packed_token + self.residual * self.bf16_token
+
+    def read_table(self, max_len: int) -> list[int]:
+        return [self.read_bytes(n) for n in range(max_len + 2)]
+
+
+def kv_format(model, system: str, kivi_kw: dict) -> KVFormat:
+    cfg = model.config
+    shape = dict(layers=cfg.num_hidden_layers, heads=cfg.num_key_value_heads,
+                 head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if system.endswith("bf16"):
+        return KVFormat(**shape)
+    bits = int(system.rsplit("-", 1)[1])
+    if "quanto" in system:  # transformers' QuantizedCache defaults (approximate: it requantizes everything)
+        return KVFormat(**shape, bits=bits, group=64, residual=128)
+    return KVFormat(**shape, bits=bits, group=kivi_kw.get("group_size", 32),
+                    residual=kivi_kw.get("residual_length", 128), page=kivi_kw.get("page_size", 128))
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter but the input embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() != head.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+# -- model, prompts, tokenizer ------------------------------------------------------------------------
+def build_model(shape: dict, device: torch.device):
+    """Random bf16 Llama built on `device`, attention through the "kivi" hook, no EOS (ignore_eos)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kivi  # noqa: F401  (registers the "kivi" attention function)
+
+    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "kivi"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval().requires_grad_(False)
+    gen = model.generation_config
+    gen.eos_token_id = gen.bos_token_id = gen.pad_token_id = None
+    if model.config._attn_implementation != "kivi" or next(model.parameters()).dtype != torch.bfloat16:
+        raise RuntimeError(f"model built with attention {model.config._attn_implementation!r}, "
+                           f"dtype {next(model.parameters()).dtype}")
+    return model
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    new_tokens: int
+
+
+def make_prompts(workload: str, spec: tuple, n: int, seed: int, vocab: int) -> list[Prompt]:
+    """Seeded random token ids (the same for every system and, when vocab >= 32000, every model)."""
+    prompt_len, new = spec
+    g = torch.Generator().manual_seed(seed * 1009 + ord(workload))
+    ids = torch.randint(0, min(vocab, 32000), (n, prompt_len), generator=g).tolist()
+    if isinstance(new, tuple):
+        news = torch.randint(new[0], new[1] + 1, (n,), generator=g).tolist()
+    else:
+        news = [new] * n
+    return [Prompt(i, k) for i, k in zip(ids, news, strict=True)]
+
+
+class StubTokenizer:
+    """What the engine needs of a tokenizer; counts the finished sequences it is asked to decode."""
+
+    eos_token_id = None
+
+    def __init__(self) -> None:
+        self.finished = self.finished_tokens = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.finished += 1
+        self.finished_tokens += len(ids)
+        return ""
+
+
+# -- memory helpers -------------------------------------------------------------------------------------
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def allocated_gib(device: torch.device) -> float | None:
+    return torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def set_cap(cap_gib: float, device: torch.device) -> None:
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total), torch.cuda.current_device())
