@@ -13,12 +13,12 @@ _OP = "decode_attention"
 
 
 # Launch table for fp16/bf16 caches (the tensor-core path), from the H200 runs in
-# benchmarks/results/kernels-20261129-h200.json (kernel_notes.md has the story). The packed loop is bound
-# by shared-memory traffic: the dequantized bf16 tiles go through shared memory on their way to the tensor
-# cores. One-warp programs of 32 tokens (no cross-warp barriers, 8 programs per SM) win wherever there are
-# many KV rows or long rows; four-warp programs of 64 tokens win at few, short rows and for most 4-bit query
-# groups. Keys are host-side ints (B * H, the block table's capacity in tokens, the query-group size and the
-# bits), so the choice is stable inside a CUDA graph.
+# benchmarks/results/kernels-20261129-h200.json (kernel_notes.md has the story). The packed loop moves its
+# dequantized bf16 tiles through shared memory on their way to the tensor cores, and at ~250 registers per
+# thread an SM holds only 8 one-warp programs: both limit it. One-warp programs of 32 tokens (no cross-warp
+# barriers, 8 programs per SM) win wherever there are many KV rows or long rows; four-warp programs of 64
+# tokens win at few, short rows and for most 4-bit query groups. Keys are host-side ints (B * H, the block
+# table's capacity in tokens, the query-group size and the bits), so the choice is stable inside a CUDA graph.
 #   (block_n, num_warps, num_stages, lazy denominator, key_vec, programs per SM the split count aims for)
 _ONE_WARP = (32, 1, 2, True, 1, 8)
 _FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
