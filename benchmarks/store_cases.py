@@ -1,0 +1,79 @@
+"""bench_kernels' cache-store cases: quantize-and-pack at prefill and the residual flush at decode."""
+
+from __future__ import annotations
+
+import torch
+from kernel_cases import DEV, DTYPE, G, finish, gen, guarded, n_sets, record, rel_l2, timed
+from kivi_data import KIVI_POOLS, P, R, kivi_bytes, make_kivi_sets
+
+
+# --------------------------------------------------------------------------------------------------- stores
+def decode_store_bytes(B, H, D, bits, esize=2) -> int:
+    """One appended token (read k/v, write their ring slots) after a flush that reads G residual tokens and
+    writes their codes, one key scale/zero row and G value scale/zero rows."""
+    token = 2 * 2 * B * H * D * esize
+    group = 2 * B * H * G * D * esize + B * H * G * D * 2 * bits // 8
+    scales = B * H * D * 2 * esize + B * H * G * (D // G) * 2 * esize
+    return token + group + scales
+
+
+def bench_store_prefill(B, T, H, D, bits, copy_gbps) -> dict:
+    from kernels.kv_store import ops as kv_ops
+    from kernels.kv_store import reference as kv_ref
+
+    nbytes = 2 * B * H * T * D * 2 + kivi_bytes(B, T, H, H, D, bits, bits) - 2 * B * H * D * 2
+    rec = record("quantize_pack", bits, B, T, H, H, D, copy_gbps)
+
+    def body(rec):
+        k_sets = n_sets(nbytes, max_sets=16)
+        data = make_kivi_sets(B, T, H, H, D, bits, bits, DTYPE, DEV, k_sets, seed=21)
+        kv = torch.randn(2, k_sets, B, H, T, D, device=DEV, dtype=DTYPE, generator=gen(22))
+        starts = torch.zeros(B, dtype=torch.int32, device=DEV)
+        pools = [data["pools"][n] for n in KIVI_POOLS]
+        ints = dict(k_bits=bits, v_bits=bits, group_size=G, residual_length=R, page_size=P)
+
+        def one(i, pools=pools):
+            s = data["sets"][i]
+            kv_ops.store_prefill(kv[0, i], kv[1, i], starts, s["seq_lens"], s["slots"], s["block_table"], *pools,
+                                 **ints)
+        one(0)
+        ref = [x.clone() for x in pools]
+        s = data["sets"][0]
+        kv_ref.store_prefill(kv[0, 0], kv[1, 0], starts, s["seq_lens"], s["slots"], s["block_table"], *ref, **ints)
+        rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
+        rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
+        del ref
+        finish(rec, timed([lambda i=i: one(i) for i in range(k_sets)]), nbytes)
+
+    return guarded(rec, 20 * nbytes + 2**30, body)
+
+
+def bench_store_flush(B, H, D, bits, copy_gbps, L=4096) -> dict:
+    from kernels.kv_store import ops as kv_ops
+    from kernels.kv_store import reference as kv_ref
+
+    seq = L + 1  # token L is appended; (L - R) % G == 0, so the oldest residual group is flushed first
+    nbytes = decode_store_bytes(B, H, D, bits)
+    rec = record("residual_flush", bits, B, seq, H, H, D, copy_gbps)
+
+    def body(rec):
+        assert (seq - 1 - R) % G == 0
+        k_sets = n_sets(nbytes, max_sets=16)
+        data = make_kivi_sets(B, seq, H, H, D, bits, bits, DTYPE, DEV, k_sets, seed=23)
+        kv = torch.randn(2, k_sets, B, H, D, device=DEV, dtype=DTYPE, generator=gen(24))
+        pools = [data["pools"][n] for n in KIVI_POOLS]
+        ints = dict(k_bits=bits, v_bits=bits, group_size=G, residual_length=R, page_size=P)
+        s = data["sets"][0]
+        ref = [x.clone() for x in pools]
+        kv_ops.store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints)
+        kv_ref.store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *ref, **ints)
+        rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
+        rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
+        del ref
+
+        def one(i):  # every call repeats the same work (the flushed group is re-read and rewritten)
+            s = data["sets"][i]
+            kv_ops.store_decode(kv[0, i], kv[1, i], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints)
+        finish(rec, timed([lambda i=i: one(i) for i in range(k_sets)]), nbytes)
+
+    return guarded(rec, 16 * kivi_bytes(B, seq, H, H, D, bits, bits) + 2**30, body)
