@@ -104,10 +104,12 @@ class JobConfig:
         )
 
     def sampling_defaults(self):
-        """The job's sampling settings (pipeline.actors.engine.SamplingParams, which validates them)."""
+        """The job's sampling settings (pipeline.actors.engine.SamplingParams, which validates them): every
+        SamplingParams field is a JobConfig field of the same name."""
         from pipeline.actors.engine import SamplingParams
 
-        return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS})
+        names = [f.name for f in dataclasses.fields(SamplingParams)]
+        return SamplingParams(**{name: getattr(self, name) for name in names})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for Ray serialization and the summary JSON)."""
@@ -116,7 +118,6 @@ class JobConfig:
         return out
 
 
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
 
 
