@@ -77,18 +77,26 @@ def _value_product(vc_ptr, vs_ptr, vz_ptr, off, n_valid, kc: tl.constexpr, p_t, 
 
 
 @triton.jit
-def _chunks8(x):
-    """x [128, N] -> its 8 row chunks [16, N] (rows 16c .. 16c + 15 of chunk c), in order."""
+def _row_chunk(x, C: tl.constexpr):
+    """Rows 16C .. 16C + 15 of x [128, N] as [16, N] (register renames only: the chunk index is a register dim)."""
     N: tl.constexpr = x.shape[1]
-    x = tl.reshape(tl.permute(tl.reshape(x, (8, 16, N)), (1, 2, 0)), (16, N, 2, 2, 2))  # c = 4c2 + 2c1 + c0
-    e, o = tl.split(x)  # c0
-    ee, eo = tl.split(e)  # c1
-    oe, oo = tl.split(o)
-    c0, c4 = tl.split(ee)
-    c2, c6 = tl.split(eo)
-    c1, c5 = tl.split(oe)
-    c3, c7 = tl.split(oo)
-    return c0, c1, c2, c3, c4, c5, c6, c7
+    x = tl.reshape(tl.permute(tl.reshape(x, (8, 16, N)), (1, 2, 0)), (16, N, 2, 2, 2))  # C = 4c2 + 2c1 + c0
+    lo, hi = tl.split(x)  # c0
+    if C % 2 == 1:
+        x = hi
+    else:
+        x = lo
+    lo, hi = tl.split(x)  # c1
+    if (C // 2) % 2 == 1:
+        x = hi
+    else:
+        x = lo
+    lo, hi = tl.split(x)  # c2
+    if C // 4 == 1:
+        x = hi
+    else:
+        x = lo
+    return x
 
 
 @triton.jit
@@ -104,15 +112,7 @@ def _swap_packed_blocks(
 
     Returns m [QG_PAD] (running max, log2 domain), l [QG_PAD] and acc [QG_PAD, 128] (unnormalized, natural
     channel order), as _attend_block keeps them."""
-    # stage 1: q^T in chunks of 16 channels (loop invariant)
-    q0 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 0, QG, QG_PAD, DEQ_DTYPE)
-    q1 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 1, QG, QG_PAD, DEQ_DTYPE)
-    q2 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 2, QG, QG_PAD, DEQ_DTYPE)
-    q3 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 3, QG, QG_PAD, DEQ_DTYPE)
-    q4 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 4, QG, QG_PAD, DEQ_DTYPE)
-    q5 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 5, QG, QG_PAD, DEQ_DTYPE)
-    q6 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 6, QG, QG_PAD, DEQ_DTYPE)
-    q7 = _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, 7, QG, QG_PAD, DEQ_DTYPE)
+    # stage 1: online-softmax state
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc_t = tl.zeros([128, QG_PAD], tl.float32)
@@ -127,22 +127,12 @@ def _swap_packed_blocks(
         n_valid = nq - tok
         kp = kc_ptr + page * stride_kc_n + h * stride_kc_h
         sp = page * stride_ks_n + h * stride_ks_h
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 0, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q0, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 1, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q1, s_t, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 2, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q2, s_t, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 3, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q3, s_t, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 4, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q4, s_t, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 5, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q5, s_t, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 6, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q6, s_t, input_precision=INPUT_PRECISION)
-        s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, 7, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
-                               USE_ASM), q7, s_t, input_precision=INPUT_PRECISION)
+        s_t = tl.zeros([128, QG_PAD], tl.float32)
+        for dc in tl.static_range(8):  # s^T += k tile @ q^T, 16 channels at a time (the compiler hoists q^T)
+            s_t = tl.dot(_key_tile(kp, ks_ptr + sp, kz_ptr + sp, off, dc, stride_kc_w, stride_ks_g, GROUP, DEQ_DTYPE,
+                                   USE_ASM),
+                         _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, dc, QG, QG_PAD, DEQ_DTYPE), s_t,
+                         input_precision=INPUT_PRECISION)
         # online softmax over the block's tokens (rows); masked rows never count
         s_t = tl.where((row_tok < n_valid)[:, None], s_t * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
@@ -153,26 +143,13 @@ def _swap_packed_blocks(
         acc_t = acc_t * alpha[None, :]
         m_i = m_new
         # o^T += v^T @ p^T, 16 s^T rows at a time
-        p0, p1, p2, p3, p4, p5, p6, p7 = _chunks8(p_t.to(DEQ_DTYPE))
+        p_t = p_t.to(DEQ_DTYPE)
         vp = vc_ptr + page * stride_vc_n + h * stride_vc_h
         vs = vs_ptr + page * stride_vs_n + h * stride_vs_h
         vz = vz_ptr + page * stride_vs_n + h * stride_vs_h
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 0, p0, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 1, p1, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 2, p2, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 3, p3, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 4, p4, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 5, p5, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 6, p6, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
-        acc_t = _value_product(vp, vs, vz, off, n_valid, 7, p7, acc_t, stride_vc_t, stride_vs_t, GROUP, DEQ_DTYPE,
-                               USE_ASM, INPUT_PRECISION)
+        for kc in tl.static_range(8):
+            acc_t = _value_product(vp, vs, vz, off, n_valid, kc, _row_chunk(p_t, kc), acc_t, stride_vc_t,
+                                   stride_vs_t, GROUP, DEQ_DTYPE, USE_ASM, INPUT_PRECISION)
     # stage 3: o^T row 16k + 8a + g is channel 16g + 8a + k -> [QG_PAD, 128] in channel order
     acc = tl.permute(tl.reshape(acc_t, (8, 2, 8, QG_PAD)), (3, 2, 1, 0))  # [QG_PAD, g, a, k]
     return m_i, l_i, tl.reshape(acc, (QG_PAD, 128))
