@@ -62,17 +62,20 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import torch  # noqa: E402
 from common import copy_bandwidth, env_header, log, write_json  # noqa: E402
-from engine_setup import allocated_gib, build_model, free_memory, make_prompts, peak_gib, reset_peak, set_cap  # noqa: E402
+from engine_setup import (  # noqa: E402
+    MODELS,
+    allocated_gib,
+    build_model,
+    free_memory,
+    make_prompts,
+    peak_gib,
+    reset_peak,
+    set_cap,
+)
 from engine_systems import quanto_available, run_engine, run_hf  # noqa: E402
 
 GiB = 2**30
 
-MODELS = {  # random-weight bf16 Llama shapes; 8192 positions so that workload c (4000 + 256) fits
-    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                      intermediate_size=11008, vocab_size=32000, max_position_embeddings=8192, rope_theta=10000.0),
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
-}
 SMOKE_MODELS = {
     "tiny-mha": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                      intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0),

@@ -53,9 +53,9 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from common import REPO_ROOT, env_header, log, write_json  # noqa: E402
+from engine_setup import MODELS  # noqa: E402
 
-LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                 intermediate_size=11008, max_position_embeddings=4096, rope_theta=10000.0)
+LLAMA2_7B = dict(MODELS["llama2-7b"], max_position_embeddings=4096)  # vocab_size: the tokenizer's (build_model)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0)
 GPU_DEFAULTS = dict(prompts=1536, prompt_len=1024, max_new_tokens=256, files=16, batch_size=256, max_batch_size=256)

@@ -10,6 +10,13 @@ import torch
 
 GiB = 2**30
 
+MODELS = {  # random-weight bf16 Llama shapes; 8192 positions so that workload c (4000 + 256) fits
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      intermediate_size=11008, vocab_size=32000, max_position_embeddings=8192, rope_theta=10000.0),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+}
+
 
 # -- cache formats: bytes per sequence --------------------------------------------------------------
 @dataclass(frozen=True)
