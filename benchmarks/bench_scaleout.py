@@ -30,6 +30,9 @@ How each number is measured (per config):
   scaling_efficiency      a config's tokens/s / (GPUs it holds * the tokens/s of the first 1-actor config); GPUs
                           held = ceil(actors * gpus_per_actor), so for 2x0.5 (two actors on one GPU) it is the
                           shared GPU's throughput relative to one actor alone. Given for both rates above.
+--prompts-per-gpu N (weak scaling) gives each config N prompts (in --files files) per GPU it holds, so that every
+GPU gets the same work as the 1-GPU config and the wall times compare directly; without it every config runs the
+same --prompts.
 --max-seconds bounds the whole script: a config is not launched with less than --min-run-s left, and a running
 job is stopped when the time is up (its completed shards are still counted; the record says partial).
 """
@@ -197,12 +200,16 @@ def actor_view(stats: list[dict]) -> list[dict]:
     return list(actors.values())
 
 
+def gpus_held(actors: int, gpus_per_actor: float) -> int:
+    return max(1, math.ceil(actors * gpus_per_actor - 1e-9))
+
+
 def summarize_run(actors: int, gpus: float, res: dict) -> dict:
     per_actor = actor_view(res["stats"])
     summary = res["summary"] or {}
     return {
         "config": f"{actors}x{gpus:g}", "actors": actors, "gpus_per_actor": gpus,
-        "gpus_held": max(1, math.ceil(actors * gpus - 1e-9)),
+        "gpus_held": gpus_held(actors, gpus),
         "output_tokens_per_s": res["output_tokens"] / res["wall_s"] if res["wall_s"] > 0 else 0.0,
         "job_output_tokens_per_s": summary.get("output_tokens_per_second"),
         "gen_output_tokens_per_s": sum(a["gen_output_tokens_per_s"] for a in per_actor),
@@ -230,6 +237,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, few short prompts (smoke test)")
     for name, value in GPU_DEFAULTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"default {value} ({TINY_DEFAULTS[name]} tiny)")
+    p.add_argument("--prompts-per-gpu", type=int, help="weak scaling: this many prompts per GPU a config holds "
+                   "(in --files files per GPU) instead of the same --prompts for every config")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-seconds", type=float, default=520.0, help="budget of the whole script")
     p.add_argument("--min-run-s", type=float, default=150.0, help="do not launch a config with less time left")
@@ -247,11 +256,13 @@ def main() -> None:
     result = {"env": env_header(device), "args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
     result["model"] = build_model(args.work / "model", args.tokenizer, args.tiny, device)
     t0 = time.perf_counter()
+    if args.prompts_per_gpu:
+        args.prompts = args.prompts_per_gpu * max(gpus_held(a, g) for a, g in configs)
     texts, lengths = make_prompts(args.tokenizer, args.prompts, args.prompt_len)
-    write_inputs(args.work / "input", texts, args.files)
-    result["prompts"] = {"n": len(texts), "files": min(args.files, len(texts)), "tokens": lengths,
-                         "make_s": time.perf_counter() - t0}
-    log(f"prompts: {len(texts)} in {result['prompts']['files']} files, tokens {lengths}")
+    args.texts = texts
+    result["prompts"] = {"n": len(texts), "per_gpu": args.prompts_per_gpu, "files_per_job": args.files,
+                         "tokens": lengths, "make_s": time.perf_counter() - t0}
+    log(f"prompts: {len(texts)} ({args.prompts_per_gpu or 'all'} per GPU), tokens {lengths}")
     head = _ray_head(args.ray_cpus) if args.ray_cpus else None
     try:
         _run_configs(args, configs, result, t_start)
@@ -265,7 +276,7 @@ def main() -> None:
     add_efficiency(done)
     result["total_s"] = time.perf_counter() - t_start
     write_json(args.out, result)
-    keys = ("config", "returncode", "partial", "rows", "output_tokens", "wall_s", "output_tokens_per_s",
+    keys = ("config", "returncode", "partial", "prompts", "rows", "output_tokens", "wall_s", "output_tokens_per_s",
             "gen_output_tokens_per_s", "scaling_efficiency_output_tokens_per_s",
             "scaling_efficiency_gen_output_tokens_per_s", "actor_start_s", "engine_build_s", "finish_reasons")
     table = [{k: _fmt(r.get(k)) for k in keys} for r in done] + [r for r in result["runs"] if "skipped" in r]
@@ -297,8 +308,14 @@ def _run_configs(args: argparse.Namespace, configs: list[tuple[int, float]], res
             log(f"skip {name}: {left:.0f} s left < --min-run-s {args.min_run_s:.0f}")
             result["runs"].append({"config": name, "skipped": f"{left:.0f} s left"})
             continue
+        held = gpus_held(actors, gpus)
+        texts = args.texts[: args.prompts_per_gpu * held] if args.prompts_per_gpu else args.texts
+        files = args.files * held if args.prompts_per_gpu else args.files
+        write_inputs(args.work / "input", texts, files)
+        log(f"{name}: {len(texts)} prompts in {min(files, len(texts))} files")
         res = run_job(args, actors, gpus, args.work / "model", args.work / f"out-{name}",
                       args.out.parent / f"scaleout-{name}.log", left)
+        res["prompts"] = len(texts)
         result["runs"].append(summarize_run(actors, gpus, res))
 
 

@@ -6,6 +6,9 @@
 #   call 1, carry [".whl1"]:                   bash benchmarks/scaleout_device.sh step1
 #   call 2 at once, carry [".whl2"], 600 s:    bash benchmarks/scaleout_device.sh step2 [PROMPTS]
 #
+# On a machine of N GPUs: CONFIGS=1x1.0,2x1.0 PER_GPU=1536 bash benchmarks/scaleout_device.sh step2 (weak
+# scaling: each config gets PER_GPU prompts per GPU it holds, so each GPU does the 1-GPU config's work).
+#
 # .whl1/raypart.00 and .whl2/raypart.01 are the halves of ray-2.60.0-cp312 (split -b 40M -d);
 # .whl2/ also holds ray.sha256, the wheels of ray's dependencies and tokenizer/ (SmolLM2's, saved with
 # save_pretrained). Step 2 installs ray and only the dependencies the machine lacks (a newer copy on
@@ -16,6 +19,8 @@
 set -euo pipefail
 STEP=${1:?usage: scaleout_device.sh step1 | step2 [PROMPTS]}
 PROMPTS=${2:-1536}
+CONFIGS=${CONFIGS:-1x1.0,2x0.5}
+PER_GPU=${PER_GPU:+--prompts-per-gpu $PER_GPU}
 BUDGET_S=540
 WHEEL=ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
 OUT=${OUT:-/tmp/scaleout-results}
@@ -45,7 +50,7 @@ step2)
     mkdir -p "$OUT"
     left=$((BUDGET_S - SECONDS - 5))
     timeout $((left + 30)) python3 benchmarks/bench_scaleout.py --tokenizer .whl2/tokenizer --work /tmp/scaleout \
-        --out "$OUT/scaleout.json" --configs 1x1.0,2x0.5 --prompts "$PROMPTS" --max-seconds "$left"
+        --out "$OUT/scaleout.json" --configs "$CONFIGS" --prompts "$PROMPTS" $PER_GPU --max-seconds "$left"
     ;;
 *)
     echo "unknown step $STEP (step1 or step2)" >&2
