@@ -12,7 +12,8 @@ Kernels (head_dim 128, 32 query heads with 32 or 8 KV heads, batch 1/8/64/256, c
 131072 at batch 1; G=32, R=128, page 128; every row holds `context` tokens: packed tokens + 97..128 residual):
   decode_attention      kernels.decode_attention over a 2-bit and a 4-bit cache (k_bits = v_bits), bf16; with
                         --tune, each shape also tries a few launch configurations (`candidates`) and reports the
-                        fastest (its `tuning`); without it, the launcher's own table decides
+                        fastest (its `tuning`); without it, the launcher's own table decides. Store kernels: the
+                        default launch ({}) and, with --tune, each (block_c, num_warps) of STORE_CANDIDATES
   sdpa_bf16             torch SDPA (flash backend) with q of length 1 over contiguous bf16 K/V [B, H, L, D]
                         (enable_gqa for 8 KV heads)
   paged_bf16            kernels.paged_attention.paged_decode_attention over a bf16 page pool
@@ -47,7 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent),
+                 str(Path(__file__).resolve().parent.parent / ".scratch")]  # --store-baseline
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,6 +57,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small subset")
     p.add_argument("--tune", action="store_true", help="try a few launch configurations per decode shape")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny config on the CPU under TRITON_INTERPRET=1")
+    p.add_argument("--only", choices=("all", "stores", "attention"), default="all", help="which kernels to run")
+    p.add_argument("--store-baseline", action="store_true",
+                   help="also time the store kernels before the channel-chunk rewrite: .scratch/store_ops_v0.py and "
+                   "store_kernel_v0.py, made by `git show c20ce12:kernels/kv_store/kernel.py`, and that commit's "
+                   "ops.py with store_prefill/store_decode renamed *_v0 and its kernel import pointed at "
+                   "store_kernel_v0")
     p.add_argument("--workers", type=int, default=12, help="parallel compile processes (GPU)")
     p.add_argument("--out", default=None, help="write the JSON result here too")
     return p.parse_args()
@@ -77,7 +85,7 @@ from kernel_cases import (  # noqa: E402
     bench_sdpa,
     decode_candidates,
 )
-from store_cases import bench_store_flush, bench_store_prefill  # noqa: E402
+from store_cases import bench_store_flush, bench_store_prefill, store_tunings  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -110,7 +118,7 @@ def main() -> None:
     if DEV.type == "cpu" and not ARGS.cpu_smoke:
         sys.exit("no CUDA device: run with --cpu-smoke for the CPU check")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    shapes = attention_shapes(ARGS.quick, ARGS.cpu_smoke)
+    shapes = attention_shapes(ARGS.quick, ARGS.cpu_smoke) if ARGS.only != "stores" else []
     compile_errors = precompile_all(shapes, ARGS.tune) if DEV.type == "cuda" else {}
     copy = copy_bandwidth(DEV, nbytes=2 * 2**30 if DEV.type == "cuda" else 64 * 2**20)
     copy_gbps = copy["gbs"]
@@ -135,13 +143,15 @@ def main() -> None:
     else:
         store_cfgs = dict(prefill=[(b, 4096, h, 128) for h in (8, 32) for b in ((1,) if ARGS.quick else (1, 8))],
                           flush=[(b, h, 128) for h in (8, 32) for b in (64, 256)])
-    for bits in (2, 4):
-        for B, T, H, D in store_cfgs["prefill"]:
-            records.append(bench_store_prefill(B, T, H, D, bits, copy_gbps))
-            log(summary_line(records[-1]))
-        for B, H, D in store_cfgs["flush"]:
-            records.append(bench_store_flush(B, H, D, bits, copy_gbps))
-            log(summary_line(records[-1]))
+    store_runs = [("new", t) for t in store_tunings(ARGS.tune)] + ([("v0", {})] if ARGS.store_baseline else [])
+    for bits in (2, 4) if ARGS.only != "attention" else ():
+        for impl, tuning in store_runs:
+            for B, T, H, D in store_cfgs["prefill"]:
+                records.append(bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning, impl))
+                log(summary_line(records[-1]))
+            for B, H, D in store_cfgs["flush"]:
+                records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, impl=impl))
+                log(summary_line(records[-1]))
     save()
     for B, L, Hq, H, D in shapes:
         recs = [bench_sdpa(B, L, Hq, H, D, copy_gbps), bench_paged(B, L, Hq, H, D, copy_gbps)]
@@ -161,9 +171,12 @@ def main() -> None:
     return result
 
 
+STORES = ("quantize_pack", "residual_flush", "quantize_pack_v0", "residual_flush_v0")
+
+
 def summary_line(r: dict) -> str:
     head = f"{r.get('kernel', '?'):18s} b{r.get('bits', '-')!s:>2} B={r.get('batch')!s:>4} L={r.get('context')!s:>6} " \
-           f"H={r.get('q_heads')}/{r.get('kv_heads')}"
+           f"H={r.get('q_heads')}/{r.get('kv_heads')}" + (f" {r['tuning']}" if r.get("kernel") in STORES else "")
     if r.get("skipped") or r.get("error") or r.get("ms") is None:
         return f"{head}  {'skipped: ' + r['skipped'] if r.get('skipped') else 'ERROR ' + str(r.get('error'))}"
     frac = r.get("frac_of_copy")

@@ -17,12 +17,34 @@ def decode_store_bytes(B, H, D, bits, esize=2) -> int:
     return token + group + scales
 
 
-def bench_store_prefill(B, T, H, D, bits, copy_gbps) -> dict:
+# launch configurations --tune tries beside the default: (block_c, num_warps)
+STORE_CANDIDATES = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (128, 4)]
+
+
+def store_ops(impl: str):
+    """(store_prefill, store_decode) of our kernels ("new") or of the kernels before the channel-chunk rewrite
+    ("v0": one 4-warp program per group; kept out of the tree, see bench_kernels --store-baseline)."""
+    if impl == "v0":
+        import store_ops_v0
+
+        return store_ops_v0.store_prefill_v0, store_ops_v0.store_decode_v0
     from kernels.kv_store import ops as kv_ops
+
+    return kv_ops.store_prefill, kv_ops.store_decode
+
+
+def store_tunings(tune: bool) -> list[dict]:
+    """The default launch ({}) and, with --tune, the explicit candidates."""
+    return [{}] + ([dict(block_c=c, num_warps=w) for c, w in STORE_CANDIDATES] if tune else [])
+
+
+def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None, impl: str = "new") -> dict:
     from kernels.kv_store import reference as kv_ref
 
     nbytes = 2 * B * H * T * D * 2 + kivi_bytes(B, T, H, H, D, bits, bits) - 2 * B * H * D * 2
-    rec = record("quantize_pack", bits, B, T, H, H, D, copy_gbps)
+    tuning = tuning or {}
+    rec = record("quantize_pack" + ("_v0" if impl == "v0" else ""), bits, B, T, H, H, D, copy_gbps, tuning=tuning)
+    store_prefill, _ = store_ops(impl)
 
     def body(rec):
         k_sets = n_sets(nbytes, max_sets=16)
@@ -34,8 +56,8 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps) -> dict:
 
         def one(i, pools=pools):
             s = data["sets"][i]
-            kv_ops.store_prefill(kv[0, i], kv[1, i], starts, s["seq_lens"], s["slots"], s["block_table"], *pools,
-                                 **ints)
+            store_prefill(kv[0, i], kv[1, i], starts, s["seq_lens"], s["slots"], s["block_table"], *pools, **ints,
+                          **tuning)
         one(0)
         ref = [x.clone() for x in pools]
         s = data["sets"][0]
@@ -48,13 +70,14 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps) -> dict:
     return guarded(rec, 20 * nbytes + 2**30, body)
 
 
-def bench_store_flush(B, H, D, bits, copy_gbps, L=4096) -> dict:
-    from kernels.kv_store import ops as kv_ops
+def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = None, impl: str = "new") -> dict:
     from kernels.kv_store import reference as kv_ref
 
     seq = L + 1  # token L is appended; (L - R) % G == 0, so the oldest residual group is flushed first
     nbytes = decode_store_bytes(B, H, D, bits)
-    rec = record("residual_flush", bits, B, seq, H, H, D, copy_gbps)
+    tuning = tuning or {}
+    rec = record("residual_flush" + ("_v0" if impl == "v0" else ""), bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
+    _, store_decode = store_ops(impl)
 
     def body(rec):
         assert (seq - 1 - R) % G == 0
@@ -65,7 +88,7 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096) -> dict:
         ints = dict(k_bits=bits, v_bits=bits, group_size=G, residual_length=R, page_size=P)
         s = data["sets"][0]
         ref = [x.clone() for x in pools]
-        kv_ops.store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints)
+        store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints, **tuning)
         kv_ref.store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *ref, **ints)
         rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
         rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
@@ -73,7 +96,7 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096) -> dict:
 
         def one(i):  # every call repeats the same work (the flushed group is re-read and rewritten)
             s = data["sets"][i]
-            kv_ops.store_decode(kv[0, i], kv[1, i], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints)
+            store_decode(kv[0, i], kv[1, i], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints, **tuning)
         finish(rec, timed([lambda i=i: one(i) for i in range(k_sets)]), nbytes)
 
     return guarded(rec, 16 * kivi_bytes(B, seq, H, H, D, bits, bits) + 2**30, body)

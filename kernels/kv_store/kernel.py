@@ -12,11 +12,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
 def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
     """fp32 min/max -> (scale, zero) in the cache dtype and inv = 1/scale (0 where scale == 0), fp32."""
     scale = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(CACHE_DTYPE)
@@ -29,64 +24,63 @@ def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
 
 @triton.jit
 def _codes(x, zero, inv, QMAX: tl.constexpr):
-    """clamp(floor((x - zero) * inv + 0.5), 0, QMAX) as int32; zero/inv broadcast against x."""
-    q = tl.floor((x - zero.to(tl.float32)) * inv + 0.5)
-    return tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0).to(tl.int32)
+    """clamp(floor((x - zero) * inv + 0.5), 0, QMAX) as int32; zero/inv broadcast against x.
+
+    The clamped value is >= 0, so truncation is the floor: one conversion, no separate rounding."""
+    q = tl.maximum((x - zero.to(tl.float32)) * inv + 0.5, 0.0)
+    return tl.minimum(q.to(tl.int32), QMAX)
 
 
 @triton.jit
-def _store_key_group(
-    x, codes_ptr, scale_ptr, zero_ptr, stride_kc_w, offs_d, mask_d,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+def _store_key_chunk(
+    x, codes_ptr, scale_ptr, zero_ptr, stride_kc_w, offs_c, mask_c,
+    BITS: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """x: [GROUP tokens, BLOCK_D] fp32 -> GROUP * BITS / 32 packed words per channel, 1 scale/zero per channel.
-
-    codes_ptr points at word 0 of the group, scale_ptr/zero_ptr at the group's [D] row.
-    """
+    """x: [GROUP tokens, BLOCK_C channels] fp32 -> GROUP * BITS / 32 words per channel and 1 scale/zero per
+    channel. codes_ptr points at word 0 of the group, scale_ptr/zero_ptr at the group's [D] row; offs_c are the
+    chunk's channels."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     PER_WORD: tl.constexpr = 32 // BITS
+    BLOCK_C: tl.constexpr = x.shape[1]
     # stage 1: per-channel statistics over the GROUP tokens
-    mn = tl.min(x, axis=0)
-    mx = tl.max(x, axis=0)
-    scale, zero, inv = _scale_zero_inv(mn, mx, QMAX, scale_ptr.dtype.element_ty)
-    # stage 2: codes, packed along tokens (token w * PER_WORD + i -> bits [i * BITS, (i + 1) * BITS) of word w)
+    scale, zero, inv = _scale_zero_inv(tl.min(x, axis=0), tl.max(x, axis=0), QMAX, scale_ptr.dtype.element_ty)
+    # stage 2: codes, packed along tokens (token w * PER_WORD + i -> bits [i * BITS, (i + 1) * BITS) of word w;
+    # the fields never overlap, so a sum packs them)
     codes = _codes(x, zero[None, :], inv[None, :], QMAX)
-    codes = tl.reshape(codes, (GROUP // PER_WORD, PER_WORD, BLOCK_D))
+    codes = tl.reshape(codes, (GROUP // PER_WORD, PER_WORD, BLOCK_C))
     shifts = tl.arange(0, PER_WORD) * BITS
-    words = tl.reduce(codes << shifts[None, :, None], 1, _bit_or)  # [GROUP // PER_WORD, BLOCK_D] int32
+    words = tl.sum(codes << shifts[None, :, None], axis=1)  # [GROUP // PER_WORD, BLOCK_C] int32
     # stage 3: store words and the per-channel scale/zero
     offs_w = tl.arange(0, GROUP // PER_WORD)
-    tl.store(codes_ptr + offs_w[:, None] * stride_kc_w + offs_d[None, :], words, mask=mask_d[None, :])
-    tl.store(scale_ptr + offs_d, scale, mask=mask_d)
-    tl.store(zero_ptr + offs_d, zero, mask=mask_d)
+    tl.store(codes_ptr + offs_w[:, None] * stride_kc_w + offs_c[None, :], words, mask=mask_c[None, :])
+    tl.store(scale_ptr + offs_c, scale, mask=mask_c)
+    tl.store(zero_ptr + offs_c, zero, mask=mask_c)
 
 
 @triton.jit
-def _store_value_group(
-    x, codes_ptr, scale_ptr, zero_ptr, stride_vc_t, stride_vs_t, D,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+def _store_value_chunk(
+    x, codes_ptr, scale_ptr, zero_ptr, stride_vc_t, stride_vs_t, c0, D,
+    BITS: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """x: [GROUP tokens, BLOCK_D] fp32 -> per token D * BITS / 32 words and D / GROUP scale/zero.
-
-    codes_ptr / scale_ptr / zero_ptr point at the group's first token row.
-    """
+    """x: [GROUP tokens, BLOCK_C channels from c0] fp32 -> per token BLOCK_C * BITS / 32 words and BLOCK_C / GROUP
+    scale/zero. codes_ptr / scale_ptr / zero_ptr point at the group's first token row (channel 0)."""
     QMAX: tl.constexpr = (1 << BITS) - 1
     PER_WORD: tl.constexpr = 32 // BITS
-    NG: tl.constexpr = BLOCK_D // GROUP
+    BLOCK_C: tl.constexpr = x.shape[1]
+    NG: tl.constexpr = BLOCK_C // GROUP
     # stage 1: per-token statistics over groups of GROUP channels
     xg = tl.reshape(x, (GROUP, NG, GROUP))
-    mn = tl.min(xg, axis=2)
-    mx = tl.max(xg, axis=2)
-    scale, zero, inv = _scale_zero_inv(mn, mx, QMAX, scale_ptr.dtype.element_ty)  # [GROUP, NG]
+    scale, zero, inv = _scale_zero_inv(tl.min(xg, axis=2), tl.max(xg, axis=2), QMAX,
+                                       scale_ptr.dtype.element_ty)  # [GROUP, NG]
     # stage 2: codes, packed along channels
     codes = _codes(xg, zero[:, :, None], inv[:, :, None], QMAX)
-    codes = tl.reshape(codes, (GROUP, BLOCK_D // PER_WORD, PER_WORD))
+    codes = tl.reshape(codes, (GROUP, BLOCK_C // PER_WORD, PER_WORD))
     shifts = tl.arange(0, PER_WORD) * BITS
-    words = tl.reduce(codes << shifts[None, None, :], 2, _bit_or)  # [GROUP, BLOCK_D // PER_WORD] int32
-    # stage 3: store words and the per-group scale/zero (padded channels beyond D are masked)
+    words = tl.sum(codes << shifts[None, None, :], axis=2)  # [GROUP, BLOCK_C // PER_WORD] int32
+    # stage 3: store words and the per-group scale/zero (channels beyond D are masked)
     offs_t = tl.arange(0, GROUP)
-    offs_w = tl.arange(0, BLOCK_D // PER_WORD)
-    offs_g = tl.arange(0, NG)
+    offs_w = c0 // PER_WORD + tl.arange(0, BLOCK_C // PER_WORD)
+    offs_g = c0 // GROUP + tl.arange(0, NG)
     mask_w = offs_w[None, :] < D // PER_WORD
     mask_g = offs_g[None, :] < D // GROUP
     tl.store(codes_ptr + offs_t[:, None] * stride_vc_t + offs_w[None, :], words, mask=mask_w)
@@ -95,24 +89,34 @@ def _store_value_group(
 
 
 @triton.jit
-def _store_group(
-    k, v, page, g, h,
+def _store_chunk(
+    x, is_key, c0, page, g, h,
     k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
     stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
     stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-    offs_d, mask_d, D,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+    offs_c, mask_c, D,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """Quantize one group (k, v: [GROUP, BLOCK_D] fp32) into group g of page `page`, head h."""
-    KW: tl.constexpr = GROUP * K_BITS // 32  # key words per group
-    kc = k_codes_ptr + page * stride_kc_n + h * stride_kc_h + g * KW * stride_kc_w
-    ks = page * stride_ks_n + h * stride_ks_h + g * stride_ks_g
-    _store_key_group(k, kc, k_scale_ptr + ks, k_zero_ptr + ks, stride_kc_w, offs_d, mask_d,
-                     K_BITS, GROUP, BLOCK_D)
-    vc = v_codes_ptr + page * stride_vc_n + h * stride_vc_h + g * GROUP * stride_vc_t
-    vs = page * stride_vs_n + h * stride_vs_h + g * GROUP * stride_vs_t
-    _store_value_group(v, vc, v_scale_ptr + vs, v_zero_ptr + vs, stride_vc_t, stride_vs_t, D,
-                       V_BITS, GROUP, BLOCK_D)
+    """Quantize one chunk (x: [GROUP, BLOCK_C] fp32, channels offs_c = c0 + i) of the keys (is_key) or values of
+    group g of page `page`, head h."""
+    if is_key:
+        KW: tl.constexpr = GROUP * K_BITS // 32  # key words per group
+        kc = k_codes_ptr + page * stride_kc_n + h * stride_kc_h + g * KW * stride_kc_w
+        ks = page * stride_ks_n + h * stride_ks_h + g * stride_ks_g
+        _store_key_chunk(x, kc, k_scale_ptr + ks, k_zero_ptr + ks, stride_kc_w, offs_c, mask_c, K_BITS, GROUP)
+    else:
+        vc = v_codes_ptr + page * stride_vc_n + h * stride_vc_h + g * GROUP * stride_vc_t
+        vs = page * stride_vs_n + h * stride_vs_h + g * GROUP * stride_vs_t
+        _store_value_chunk(x, vc, v_scale_ptr + vs, v_zero_ptr + vs, stride_vc_t, stride_vs_t, c0, D, V_BITS, GROUP)
+
+
+@triton.jit
+def _part(j, NC: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Part j of a group's 2 * NC parts -> (is_key, first channel c0, channel offsets): keys first, then values,
+    BLOCK_C channels each."""
+    is_key = j < NC
+    c0 = (j % NC) * BLOCK_C
+    return is_key, c0, c0 + tl.arange(0, BLOCK_C)
 
 
 @triton.jit
@@ -126,44 +130,45 @@ def store_prefill_kernel(
     stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
     stride_res_s, stride_res_h, stride_res_t,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, RESIDUAL: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, NC: tl.constexpr,
 ):
-    """Grid (B, H, cdiv(T, GROUP)): program (b, h, j) stores tokens [j * GROUP, (j + 1) * GROUP) of row b."""
+    """Grid (B, H, cdiv(T, GROUP) * 2 * NC): program (b, h, j) stores part j % (2 * NC) (keys or values,
+    BLOCK_C channels; NC = cdiv(D, BLOCK_C)) of tokens [t0, t0 + GROUP) of row b, t0 = (j // (2 * NC)) * GROUP."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(2).to(tl.int64)
+    j = tl.program_id(2)
     # stage 1: row state; nq = GROUP * ceil(max(0, L - RESIDUAL) / GROUP) tokens go to pages
     start = tl.load(starts_ptr + b).to(tl.int64)
     length = tl.load(lengths_ptr + b).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     nq = tl.cdiv(tl.maximum(length - RESIDUAL, 0), GROUP) * GROUP
-    t0 = j * GROUP
+    t0 = (j // (2 * NC)).to(tl.int64) * GROUP
+    is_key, c0, offs_c = _part(j % (2 * NC), NC, BLOCK_C)
+    mask_c = offs_c < D
     offs_t = tl.arange(0, GROUP)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
     rows = start + t0 + offs_t  # input positions of the group's tokens
-    k_rows = key_ptr + b * stride_key_b + h * stride_key_h + rows[:, None] * stride_key_t + offs_d[None, :]
-    v_rows = value_ptr + b * stride_value_b + h * stride_value_h + rows[:, None] * stride_value_t
-    v_rows += offs_d[None, :]
+    if is_key:
+        src = key_ptr + b * stride_key_b + h * stride_key_h + rows[:, None] * stride_key_t + offs_c[None, :]
+        res_ptr = k_res_ptr
+    else:
+        src = value_ptr + b * stride_value_b + h * stride_value_h + rows[:, None] * stride_value_t + offs_c[None, :]
+        res_ptr = v_res_ptr
     if t0 < nq:
         # stage 2a: a whole group below nq -> quantize into group (t0 % PAGE) / GROUP of its page
-        k = tl.load(k_rows, mask=mask_d[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_rows, mask=mask_d[None, :], other=0.0).to(tl.float32)
+        x = tl.load(src, mask=mask_c[None, :], other=0.0).to(tl.float32)
         page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
-        _store_group(k, v, page, (t0 % PAGE) // GROUP, h,
+        _store_chunk(x, is_key, c0, page, (t0 % PAGE) // GROUP, h,
                      k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                      stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
                      stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-                     offs_d, mask_d, D, K_BITS, V_BITS, GROUP, BLOCK_D)
+                     offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
     elif t0 < length:
         # stage 2b: tokens in [nq, L) -> residual ring slots t % RESIDUAL, copied in the cache dtype
-        mask = ((t0 + offs_t) < length)[:, None] & mask_d[None, :]
-        k = tl.load(k_rows, mask=mask)
-        v = tl.load(v_rows, mask=mask)
+        mask = ((t0 + offs_t) < length)[:, None] & mask_c[None, :]
+        x = tl.load(src, mask=mask)
         ring = (t0 + offs_t) % RESIDUAL
-        res = slot * stride_res_s + h * stride_res_h + ring[:, None] * stride_res_t + offs_d[None, :]
-        tl.store(k_res_ptr + res, k.to(k_res_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_res_ptr + res, v.to(v_res_ptr.dtype.element_ty), mask=mask)
+        res = slot * stride_res_s + h * stride_res_h + ring[:, None] * stride_res_t + offs_c[None, :]
+        tl.store(res_ptr + res, x.to(res_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -177,14 +182,21 @@ def store_decode_kernel(
     stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
     stride_res_s, stride_res_h, stride_res_t,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, RESIDUAL: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, NC: tl.constexpr,
 ):
-    """Grid (B, H): append token L = seq_lens[b] - 1 of row b, head h; flush the oldest group first if full."""
+    """Grid (B, H, 2 * NC): append part j (keys or values, BLOCK_C channels) of token L = seq_lens[b] - 1 of row
+    b, head h; flush that part of the oldest group first if the ring is full."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    is_key, c0, offs_c = _part(tl.program_id(2), NC, BLOCK_C)
+    mask_c = offs_c < D
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    if is_key:
+        new_ptr = key_ptr + b * stride_key_b + h * stride_key_h
+        res_ptr = k_res_ptr
+    else:
+        new_ptr = value_ptr + b * stride_value_b + h * stride_value_h
+        res_ptr = v_res_ptr
     if seq_len > 0:  # seq_lens == 0 marks an inactive row
         L = seq_len - 1
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -193,20 +205,17 @@ def store_decode_kernel(
         if (t0 >= 0) & (t0 % GROUP == 0):
             # stage 1: the ring is full -> quantize tokens [t0, t0 + GROUP) from slots t0 % RESIDUAL + i
             ring = t0 % RESIDUAL + tl.arange(0, GROUP)
-            res = res_base + ring[:, None] * stride_res_t + offs_d[None, :]
-            k = tl.load(k_res_ptr + res, mask=mask_d[None, :], other=0.0).to(tl.float32)
-            v = tl.load(v_res_ptr + res, mask=mask_d[None, :], other=0.0).to(tl.float32)
+            x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :], mask=mask_c[None, :],
+                        other=0.0).to(tl.float32)
             page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
-            _store_group(k, v, page, (t0 % PAGE) // GROUP, h,
+            _store_chunk(x, is_key, c0, page, (t0 % PAGE) // GROUP, h,
                          k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                          stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
                          stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-                         offs_d, mask_d, D, K_BITS, V_BITS, GROUP, BLOCK_D)
+                         offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
             # every thread must have read the old slot before any thread overwrites it below
             tl.debug_barrier()
-        # stage 2: write the new token into ring slot L % RESIDUAL
-        k_new = tl.load(key_ptr + b * stride_key_b + h * stride_key_h + offs_d, mask=mask_d)
-        v_new = tl.load(value_ptr + b * stride_value_b + h * stride_value_h + offs_d, mask=mask_d)
-        res = res_base + (L % RESIDUAL) * stride_res_t + offs_d
-        tl.store(k_res_ptr + res, k_new.to(k_res_ptr.dtype.element_ty), mask=mask_d)
-        tl.store(v_res_ptr + res, v_new.to(v_res_ptr.dtype.element_ty), mask=mask_d)
+        # stage 2: write the new token's part into ring slot L % RESIDUAL
+        x_new = tl.load(new_ptr + offs_c, mask=mask_c)
+        tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_c, x_new.to(res_ptr.dtype.element_ty),
+                 mask=mask_c)

@@ -82,13 +82,23 @@ def check_store_args(key, value, rows, slots, block_table, k_codes, k_scale, k_z
             raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
-def _launch_config(key: torch.Tensor) -> dict:
+def _launch_config(key: torch.Tensor, group_size: int, block_c: int | None, num_warps: int | None) -> dict:
+    """Programs of BLOCK_C channels of the keys or the values of one group (NC = cdiv(D, BLOCK_C) chunks each):
+    one-warp programs of [G, 64] tiles keep each program's reductions inside its warp and its registers few."""
     if key.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "kv_store Triton kernels got CPU tensors without TRITON_INTERPRET=1: use the reference backend "
             "(kernels.kv_store.reference, or kernels.get_ops('reference')) on the CPU"
         )
-    return dict(BLOCK_D=triton.next_power_of_2(key.shape[-1]), num_warps=4, enable_fp_fusion=False)
+    D = key.shape[-1]
+    if block_c is None:
+        block_c = max(group_size, min(64, triton.next_power_of_2(D)))
+    if block_c <= 0 or block_c & (block_c - 1) or block_c % group_size:
+        raise ValueError(f"block_c={block_c} must be a power of two and a multiple of group_size={group_size}")
+    num_warps = 1 if num_warps is None else num_warps
+    if num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps!r}")
+    return dict(BLOCK_C=block_c, NC=triton.cdiv(D, block_c), num_warps=num_warps, enable_fp_fusion=False)
 
 
 def _pool_strides(k_codes, k_scale, v_codes, v_scale, k_res) -> dict:
@@ -103,7 +113,8 @@ def _pool_strides(k_codes, k_scale, v_codes, v_scale, k_res) -> dict:
 
 def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_scale, k_zero,
                   v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
-                  residual_length: int, page_size: int) -> None:
+                  residual_length: int, page_size: int, block_c: int | None = None,
+                  num_warps: int | None = None) -> None:
     """Store a padded prompt batch into empty slots (in place).
 
     key, value: [B, H, T, D] cache dtype, last dim contiguous; row b's tokens are
@@ -114,6 +125,7 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
     Tokens [0, nq) with nq = G * ceil(max(0, L - R) / G) go to pages, [nq, L) to ring slots t % R.
     Preconditions not checked here (they would need a device sync): starts + lengths <= T, the block
     table holds ceil(nq / P) valid pages for each row, distinct slots.
+    Tuning (optional): block_c channels per program (a power of two, a multiple of G; default 64), num_warps.
     """
     check_store_args(key, value, (("starts", starts), ("lengths", lengths)), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
@@ -124,8 +136,8 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
     B, H, T, D = key.shape
     if B == 0 or T == 0:
         return
-    grid = (B, H, triton.cdiv(T, group_size))
-    store_prefill_kernel[grid](
+    cfg = _launch_config(key, group_size, block_c, num_warps)
+    store_prefill_kernel[(B, H, triton.cdiv(T, group_size) * 2 * cfg["NC"])](
         key_ptr=key, value_ptr=value, starts_ptr=starts, lengths_ptr=lengths, slots_ptr=slots,
         block_table_ptr=block_table, k_codes_ptr=k_codes, k_scale_ptr=k_scale, k_zero_ptr=k_zero,
         v_codes_ptr=v_codes, v_scale_ptr=v_scale, v_zero_ptr=v_zero, k_res_ptr=k_res, v_res_ptr=v_res,
@@ -134,19 +146,19 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
         stride_value_b=value.stride(0), stride_value_h=value.stride(1), stride_value_t=value.stride(2),
         stride_bt_s=block_table.stride(0),
         **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
-        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        **_launch_config(key),
+        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, **cfg,
     )
 
 
 def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero,
                  v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
-                 residual_length: int, page_size: int) -> None:
+                 residual_length: int, page_size: int, block_c: int | None = None,
+                 num_warps: int | None = None) -> None:
     """Append one token per row (in place): key, value [B, H, D] are token L = seq_lens[b] - 1.
 
     seq_lens, slots: int32 [B] (seq_lens 0 = inactive row, skipped). Other tensors as in store_prefill.
     When L >= R and (L - R) % G == 0 the oldest group (slots (L - R) % R ..) is quantized into page
-    block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R.
+    block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R. Tuning as in store_prefill.
     """
     check_store_args(key, value, (("seq_lens", seq_lens),), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
@@ -157,7 +169,8 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
     B, H, D = key.shape
     if B == 0:
         return
-    store_decode_kernel[(B, H)](
+    cfg = _launch_config(key, group_size, block_c, num_warps)
+    store_decode_kernel[(B, H, 2 * cfg["NC"])](
         key_ptr=key, value_ptr=value, seq_lens_ptr=seq_lens, slots_ptr=slots, block_table_ptr=block_table,
         k_codes_ptr=k_codes, k_scale_ptr=k_scale, k_zero_ptr=k_zero,
         v_codes_ptr=v_codes, v_scale_ptr=v_scale, v_zero_ptr=v_zero, k_res_ptr=k_res, v_res_ptr=v_res,
@@ -166,6 +179,5 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
         stride_value_b=value.stride(0), stride_value_h=value.stride(1),
         stride_bt_s=block_table.stride(0),
         **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
-        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        **_launch_config(key),
+        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, **cfg,
     )

@@ -38,7 +38,8 @@ def _write_groups(k, v, pages, gidx, k_codes, k_scale, k_zero, v_codes, v_scale,
 
 def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_scale, k_zero,
                   v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
-                  residual_length: int, page_size: int) -> None:
+                  residual_length: int, page_size: int, block_c: int | None = None,
+                  num_warps: int | None = None) -> None:
     """Reference of ops.store_prefill (same shapes): key, value [B, H, T, D], starts/lengths/slots int32 [B].
 
     Tokens [0, nq) of each row, nq = G * ceil(max(0, L - R) / G), go to pages block_table[slot, t // P];
@@ -75,7 +76,8 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
 
 def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero,
                  v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
-                 residual_length: int, page_size: int) -> None:
+                 residual_length: int, page_size: int, block_c: int | None = None,
+                 num_warps: int | None = None) -> None:
     """Reference of ops.store_decode: key, value [B, H, D] = token L = seq_lens[b] - 1 (0 = inactive row).
 
     If L >= R and (L - R) % G == 0, ring slots (L - R) % R + [0, G) are quantized into page
