@@ -119,7 +119,7 @@ def main() -> None:
         sys.exit("no CUDA device: run with --cpu-smoke for the CPU check")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     shapes = attention_shapes(ARGS.quick, ARGS.cpu_smoke) if ARGS.only != "stores" else []
-    compile_errors = precompile_all(shapes, ARGS.tune) if DEV.type == "cuda" else {}
+    compile_errors = precompile_all(shapes, ARGS.tune) if DEV.type == "cuda" and shapes else {}
     copy = copy_bandwidth(DEV, nbytes=2 * 2**30 if DEV.type == "cuda" else 64 * 2**20)
     copy_gbps = copy["gbs"]
     log(f"copy bandwidth {copy_gbps:.0f} GB/s")
