@@ -153,11 +153,6 @@ def plan(name: str):
         out.append(((1, 131072, 32, 32), [("new", 2, dict(swap_ab=False))]
                     + [("new", 2, dict(swap_ab=True, num_splits=s)) for s in (64, 132, 264)]))
         return out
-    if name == "tau":  # the lazy loop's accumulator rescale: at every block (0) or past a growth of 8 (default)
-        shapes = [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1024, 32, 32), (64, 4096, 32, 8),
-                  (8, 32768, 32, 8), (256, 512, 32, 32)]
-        return [((B, L, Hq, H), [("new", 2, dict(swap_ab=False, rescale_tau=t)) for t in (0.0, 8.0)]
-                 + [("new", 4, dict(swap_ab=False, rescale_tau=t)) for t in (0.0, 8.0)]) for B, L, Hq, H in shapes]
     raise SystemExit(f"unknown plan {name}")
 
 

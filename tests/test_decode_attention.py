@@ -213,10 +213,6 @@ KERNEL_CASES = [
     Case((700, 129, 0), 4, 1, 128, 2, 2, dtype=torch.float16, block_n=32, num_splits=3,
          extra=(("num_warps", 1), ("lazy", False), ("key_vec", 4))),
     Case((500, 300), 2, 2, 64, 2, 4, dtype=torch.float16, block_n=128, extra=(("num_warps", 8), ("num_stages", 2))),
-    # the lazy loop's accumulators rescaled at every block (0) or whenever a max grows by a quarter (often)
-    Case((700, 129, 0), 4, 1, 128, 2, 2, dtype=torch.bfloat16, block_n=32, num_splits=2,
-         extra=(("num_warps", 1), ("lazy", True), ("rescale_tau", 0.0))),
-    Case((1000, 31, 260), 8, 2, 64, 2, 4, block_n=32, extra=(("num_warps", 1), ("lazy", True), ("rescale_tau", 0.25))),
     # the swapped-operand loop (kernel_swap.py: 2-bit, D=128, 128-token blocks): MHA and GQA, odd lengths,
     # empty rows, splits, G=16/64, pages of 256, fp32 (exact dots) and fp16
     Case((1000, 161, 0), 3, 3, 128, 2, 2, num_splits=2, extra=(("swap_ab", True),)),
@@ -259,17 +255,15 @@ def test_kernel_noncontiguous_query_and_fresh_output():
         (lambda a: a.update(seq_lens=a["seq_lens"][:1]), ValueError, "seq_lens has shape"),
         (lambda a: a.update(k_res=a["k_res"].transpose(2, 3)), ValueError, "k_res has shape"),
         (lambda a: a.update(swap_ab=True), ValueError, "swap_ab needs 2-bit keys and values, head_dim 128"),
-        (lambda a: a.update(rescale_tau=-1.0), ValueError, "rescale_tau=-1.0 must be in"),
     ],
-    ids=["q-heads", "k_codes-shape", "v_scale-dtype", "slots-dtype", "seq_lens-shape", "k_res-shape", "swap-d64",
-         "rescale-tau"],
+    ids=["q-heads", "k_codes-shape", "v_scale-dtype", "slots-dtype", "seq_lens-shape", "k_res-shape", "swap-d64"],
 )
 def test_launcher_rejects_bad_arguments(mutate, error, match):
     case = Case((40, 50), 8, 2, 64, 2, 2)
     q, cache, _ = make_inputs(case)
     args = dict(q=q, **{k: v for k, v in cache.items()})
     mutate(args)
-    tuning = {k: args.pop(k) for k in ("swap_ab", "rescale_tau") if k in args}
+    tuning = {"swap_ab": args.pop("swap_ab")} if "swap_ab" in args else {}
     with pytest.raises(error, match=match):
         run(decode_attention, case, args.pop("q"), args, **tuning)
 

@@ -69,35 +69,18 @@ def _attend_block(
 @triton.jit
 def _attend_block_lazy(
     q, k_t, v, valid, m_i, l_t, acc, qk_scale,
-    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, RESCALE_TAU: tl.constexpr = 0,
+    USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """_attend_block with the denominator kept per column (l_t [QG_PAD, BLOCK_N], summed once after the
-    loop): one cross-warp reduction (the max) per step instead of two.
-
-    RESCALE_TAU > 0: m_i is a reference, not the running max. acc and l_t are rescaled only in a step where
-    some row's max passes its reference by more than RESCALE_TAU (log2 units; every row's reference then
-    moves to its max), so probabilities stay below 2**RESCALE_TAU and most steps skip the [QG_PAD, D] rescale.
-    acc / l and the log-sum-exp m + log2(l) do not depend on which reference was used."""
+    loop): one cross-warp reduction (the max) per step instead of two."""
     s = _scores(q, k_t, valid, qk_scale, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    if RESCALE_TAU > 0:
-        grow = tl.where(m_new > m_i, m_new - m_i, 0.0)  # +inf where the reference is still -inf
-        if tl.max(grow, axis=0) > RESCALE_TAU:
-            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l_t = l_t * alpha[:, None]
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_t = l_t + p
-        acc = acc + _weighted_values(p, v, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
-    else:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_t = l_t * alpha[:, None] + p
-        acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
-        m_i = m_new
-    return m_i, l_t, acc
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_t = l_t * alpha[:, None] + p
+    acc = acc * alpha[:, None] + _weighted_values(p, v, USE_DOT, DOT_DTYPE, INPUT_PRECISION)
+    return m_new, l_t, acc
 
 
 @triton.jit

@@ -35,7 +35,7 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_L: tl.constexpr,
     KEY_VEC: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, RING_N: tl.constexpr = 0, RESCALE_TAU: tl.constexpr = 0,
+    SWAP_AB: tl.constexpr = False, RING_N: tl.constexpr = 0,
 ):
     """grid (B, H, num_splits): KV head h of row b against its QG query heads, one split of the keys.
 
@@ -44,8 +44,7 @@ def _decode_attention_kernel(
     contiguous range of those blocks. Packed tiles are dequantized in DOT_DTYPE registers, never stored.
     SWAP_AB (2-bit keys and values, D = 128, BLOCK_N = 128): the packed blocks go through
     kernel_swap._swap_packed_blocks, whose dequantized tiles stay in registers as the mma's A operand.
-    RING_N (0: BLOCK_N) ring tokens are attended at a time. RESCALE_TAU (LAZY_L only; 0: every step): the packed
-    loop rescales its accumulators only when a row's max grows by more than this (attend._attend_block_lazy).
+    RING_N (0: BLOCK_N) ring tokens are attended at a time.
     """
     tl.static_assert(PAGE % BLOCK_N == 0)
     tl.static_assert(QG_PAD >= QG)
@@ -109,7 +108,7 @@ def _decode_attention_kernel(
             )
             if LAZY_L:
                 m_i, l_t, acc = _attend_block_lazy(q, k_t, v, valid, m_i, l_t, acc, qk_scale, USE_DOT, DOT_DTYPE,
-                                                   INPUT_PRECISION, RESCALE_TAU)
+                                                   INPUT_PRECISION)
             else:
                 m_i, l_i, acc = _attend_block(q, k_t, v, valid, m_i, l_i, acc, qk_scale, USE_DOT, DOT_DTYPE,
                                               INPUT_PRECISION)

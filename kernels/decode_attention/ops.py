@@ -24,7 +24,6 @@ _ONE_WARP = (32, 1, 2, True, 1, 8)
 _FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
 MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
 SWAP_PER_SM = 16  # programs per SM the swapped-operand loop's split count aims for
-RESCALE_TAU = 8.0  # lazy loop: rescale the accumulators only when a row's max grows by more (probabilities < 256)
 
 
 def prefer_swap(rows: int, max_tokens: int) -> bool:
@@ -106,7 +105,6 @@ def decode_attention(
     lazy: bool | None = None,
     key_vec: int | None = None,
     swap_ab: bool | None = None,
-    rescale_tau: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -117,9 +115,7 @@ def decode_attention(
     pipelining depth of the packed loop), lazy (per-column softmax denominator, summed once at the end),
     key_vec (key-word loads per thread along channels; 1 keeps the dequantized key tile's shared-memory
     stores free of bank conflicts), swap_ab (2-bit keys and values, head_dim 128, block_n 128 only: the
-    transposed products of kernel_swap.py, whose dequantized tiles never leave registers), rescale_tau (lazy
-    loop only, log2 units, default RESCALE_TAU; 0 rescales the accumulators at every block: see
-    attend._attend_block_lazy).
+    transposed products of kernel_swap.py, whose dequantized tiles never leave registers).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -151,9 +147,6 @@ def decode_attention(
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     lazy = cfg["lazy"] if lazy is None else bool(lazy)
     key_vec = cfg["key_vec"] if key_vec is None else key_vec
-    rescale_tau = RESCALE_TAU if rescale_tau is None else float(rescale_tau)
-    if not 0 <= rescale_tau <= 64:
-        raise ValueError(f"{_OP}: rescale_tau={rescale_tau} must be in [0, 64] (probabilities reach 2**rescale_tau)")
     if not C.is_pow2(block_n) or block_n < 16 or page_size % block_n or block_n * head_dim > 16384:
         raise ValueError(f"{_OP}: block_n={block_n} must be a power of two >= 16 dividing page_size={page_size}, "
                          f"with block_n * head_dim <= 16384")
@@ -179,8 +172,7 @@ def decode_attention(
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
         HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
         LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0,
-        RESCALE_TAU=rescale_tau if lazy else 0.0, num_warps=num_warps,
+        USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0, num_warps=num_warps,
         num_stages=num_stages,
     )
     if workspace is not None:

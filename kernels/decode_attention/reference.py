@@ -80,10 +80,9 @@ def decode_attention(
     lazy: bool | None = None,
     key_vec: int | None = None,
     swap_ab: bool | None = None,
-    rescale_tau: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
-    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, rescale_tau
+    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()

@@ -43,38 +43,19 @@ def _code_pair(words, K: tl.constexpr, BITS: tl.constexpr, DEQ_DTYPE: tl.constex
             x = words << -SHIFT
         else:
             x = words
+        x = (x & ((((1 << BITS) - 1) << LOW) * 0x10001)) | ONE
         if USE_ASM:
-            # one LOP3, (x & mask) | one, whose int32 result *is* the packed pair: reinterpreted as two 16-bit
-            # floats (no repacking PRMTs). Written out, `(x & mask) | one` compiles to two LOP3s (one immediate
-            # each); here ptxas keeps one constant in a register.
-            pair = _mask_or_one(x, BITS, DEQ_DTYPE)
+            # the int32 *is* the packed pair: reinterpret it as two 16-bit floats (no repacking PRMTs)
+            if DEQ_DTYPE == tl.float16:
+                pair = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(x, x)], dtype=tl.float16,
+                                                 is_pure=True, pack=2)
+            else:
+                pair = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [tl.join(x, x)], dtype=tl.bfloat16,
+                                                 is_pure=True, pack=2)
         else:
-            x = (x & ((((1 << BITS) - 1) << LOW) * 0x10001)) | ONE
             lo = x.to(tl.int16).to(DEQ_DTYPE, bitcast=True)
             hi = (x >> 16).to(tl.int16).to(DEQ_DTYPE, bitcast=True)
             pair = tl.join(lo, hi)
-    return pair
-
-
-@triton.jit
-def _mask_or_one(x, BITS: tl.constexpr, DEQ_DTYPE: tl.constexpr):
-    """(x & mask) | one as packed fp16/bf16 pairs [R, C, 2] (inline PTX, GPU only): mask keeps the BITS-bit
-    code at the top of each half's mantissa, one is 1.0 in both halves (_code_pair's LOW and ONE)."""
-    xx = tl.join(x, x)  # pack=2 hands each asm call two int32s ($1, $2) for one 32-bit pair ($0); $1 is used
-    if DEQ_DTYPE == tl.float16:
-        if BITS == 2:
-            pair = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x03000300, 0x3C003C00, 0xEA;", "=r,r,r", [xx],
-                                             dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            pair = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x03C003C0, 0x3C003C00, 0xEA;", "=r,r,r", [xx],
-                                             dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        if BITS == 2:
-            pair = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00600060, 0x3F803F80, 0xEA;", "=r,r,r", [xx],
-                                             dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            pair = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00780078, 0x3F803F80, 0xEA;", "=r,r,r", [xx],
-                                             dtype=tl.bfloat16, is_pure=True, pack=2)
     return pair
 
 
