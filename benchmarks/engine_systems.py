@@ -228,15 +228,22 @@ def build_engine(engine, requests) -> bool:
     return True
 
 
-def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadline_s: float) -> dict:
+def engine_config(system: str, kivi_kw: dict | None = None, **engine_kw):
+    """EngineConfig of an engine system: engine-bf16 (plain cache) or engine-kivi-<bits>."""
     from kivi import KiviConfig
-    from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
+    from pipeline.actors.engine import EngineConfig
+
+    bits = None if system == "engine-bf16" else int(system.rsplit("-", 1)[1])
+    return EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **(kivi_kw or {})),
+                        **engine_kw)
+
+
+def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadline_s: float) -> dict:
+    from pipeline.actors.engine import LLMEngine, Request, SamplingParams
 
     dev = ctx.device
-    bits = None if system == "engine-bf16" else int(system.rsplit("-", 1)[1])
-    config = EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **ctx.kivi_kw),
-                          memory_limit_gib=cap_gib, max_batch_size=ctx.engine_max_batch,
-                          cuda_graphs=ctx.cuda_graphs, cpu_cache_gib=ctx.cpu_cache_gib)
+    config = engine_config(system, ctx.kivi_kw, memory_limit_gib=cap_gib, max_batch_size=ctx.engine_max_batch,
+                           cuda_graphs=ctx.cuda_graphs, cpu_cache_gib=ctx.cpu_cache_gib)
     tokenizer = StubTokenizer()
     engine = LLMEngine(model, tokenizer, config)
     requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]

@@ -28,57 +28,54 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 from common import env_header, write_json  # noqa: E402
 from engine_setup import MODELS, StubTokenizer, build_model, free_memory, make_prompts, set_cap  # noqa: E402
+from engine_systems import engine_config, instrumented_runner  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
             vocab_size=500, max_position_embeddings=1024)
+
+
+class ProfileProbe:
+    """For engine_systems.instrumented_runner: starts the profiler at the first decode step and records the
+    decode batches and any prefill that runs after it."""
+
+    def __init__(self, prof) -> None:
+        self.prof, self.batches, self.prefills_after = prof, [], 0
+
+    def on_prefill(self, prompts) -> None:
+        self.prefills_after += bool(self.batches)
+
+    def on_decode(self, positions) -> None:
+        if not self.batches:
+            self.prof.start()
+        self.batches.append(len(positions))
 
 
 def profile_system(model, system: str, prompts, cap_gib: float, device: torch.device) -> dict:
     """Kernel times (ms per decode step, by kernel name) of one engine's decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kivi import KiviConfig
-    from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams, model_runner
+    from pipeline.actors.engine import LLMEngine, Request, SamplingParams
 
-    bits = None if system == "engine-bf16" else int(system.rsplit("-", 1)[1])
-    config = EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits),
-                          memory_limit_gib=cap_gib if device.type == "cuda" else None, max_batch_size=256,
-                          cuda_graphs=False)
+    config = engine_config(system, memory_limit_gib=cap_gib if device.type == "cuda" else None, max_batch_size=256,
+                           cuda_graphs=False)
     engine = LLMEngine(model, StubTokenizer(), config)
     engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=3))])  # compile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = profile(activities=activities)
-    cls = model_runner.ModelRunner
-    orig_prefill, orig_decode = cls.prefill, cls.decode
-    seen = dict(decode=0, prefill_while_profiling=0, batch=[])
-
-    def decode(self, tokens, positions, slots):
-        if seen["decode"] == 0:
-            prof.start()
-        seen["decode"] += 1
-        seen["batch"].append(len(positions))
-        return orig_decode(self, tokens, positions, slots)
-
-    def prefill(self, *args, **kwargs):
-        if seen["decode"]:
-            seen["prefill_while_profiling"] += 1
-        return orig_prefill(self, *args, **kwargs)
-
-    cls.prefill, cls.decode = prefill, decode
+    probe = ProfileProbe(profile(activities=activities))
     requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     try:
-        engine.generate(requests)
+        with instrumented_runner(probe):
+            engine.generate(requests)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
-        cls.prefill, cls.decode = orig_prefill, orig_decode
-        if seen["decode"]:
-            prof.stop()
+        if probe.batches:
+            probe.prof.stop()
     wall = time.perf_counter() - t0
-    steps = max(1, seen["decode"])
+    steps = max(1, len(probe.batches))
     kernels = {}
-    for evt in prof.key_averages():
+    for evt in probe.prof.key_averages():
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue  # CPU ops: their device time is their kernels', which are counted as kernels
         dev_us = getattr(evt, "self_device_time_total", None)
@@ -90,8 +87,8 @@ def profile_system(model, system: str, prompts, cap_gib: float, device: torch.de
     stats = engine.stats()
     del engine
     free_memory(device)
-    return dict(system=system, decode_steps=seen["decode"], mean_batch=sum(seen["batch"]) / steps,
-                prefills_while_profiling=seen["prefill_while_profiling"], wall_s=wall,
+    return dict(system=system, decode_steps=len(probe.batches), mean_batch=sum(probe.batches) / steps,
+                prefills_while_profiling=probe.prefills_after, wall_s=wall,
                 gpu_ms_per_step=sum(k["ms_per_step"] for k in ranked.values()), num_slots=stats.get("num_slots"),
                 kernels=ranked)
 
