@@ -17,6 +17,7 @@ def decode_store_bytes(B, H, D, bits, esize=2) -> int:
     return token + group + scales
 
 
+SUFFIX = {"new": "", "v0": "_v0"}  # record names: quantize_pack, quantize_pack_v0, ...
 # launch configurations --tune tries beside the default: (block_c, num_warps)
 STORE_CANDIDATES = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (128, 4)]
 
@@ -33,6 +34,12 @@ def store_ops(impl: str):
     return kv_ops.store_prefill, kv_ops.store_decode
 
 
+def check_stores(rec: dict, pools: list, ref: list) -> None:
+    """Codes exactly equal to the reference's (keys, values) and the residual ring's relative L2."""
+    rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
+    rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
+
+
 def store_tunings(tune: bool) -> list[dict]:
     """The default launch ({}) and, with --tune, the explicit candidates."""
     return [{}] + ([dict(block_c=c, num_warps=w) for c, w in STORE_CANDIDATES] if tune else [])
@@ -43,7 +50,7 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
 
     nbytes = 2 * B * H * T * D * 2 + kivi_bytes(B, T, H, H, D, bits, bits) - 2 * B * H * D * 2
     tuning = tuning or {}
-    rec = record("quantize_pack" + ("_v0" if impl == "v0" else ""), bits, B, T, H, H, D, copy_gbps, tuning=tuning)
+    rec = record("quantize_pack" + SUFFIX[impl], bits, B, T, H, H, D, copy_gbps, tuning=tuning)
     store_prefill, _ = store_ops(impl)
 
     def body(rec):
@@ -62,8 +69,7 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
         ref = [x.clone() for x in pools]
         s = data["sets"][0]
         kv_ref.store_prefill(kv[0, 0], kv[1, 0], starts, s["seq_lens"], s["slots"], s["block_table"], *ref, **ints)
-        rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
-        rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
+        check_stores(rec, pools, ref)
         del ref
         finish(rec, timed([lambda i=i: one(i) for i in range(k_sets)]), nbytes)
 
@@ -76,7 +82,7 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
     seq = L + 1  # token L is appended; (L - R) % G == 0, so the oldest residual group is flushed first
     nbytes = decode_store_bytes(B, H, D, bits)
     tuning = tuning or {}
-    rec = record("residual_flush" + ("_v0" if impl == "v0" else ""), bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
+    rec = record("residual_flush" + SUFFIX[impl], bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
     _, store_decode = store_ops(impl)
 
     def body(rec):
@@ -90,8 +96,7 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
         ref = [x.clone() for x in pools]
         store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints, **tuning)
         kv_ref.store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *ref, **ints)
-        rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
-        rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
+        check_stores(rec, pools, ref)
         del ref
 
         def one(i):  # every call repeats the same work (the flushed group is re-read and rewritten)
