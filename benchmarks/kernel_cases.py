@@ -186,12 +186,18 @@ def bench_paged(B, L, Hq, H, D, copy_gbps) -> dict:
 
 
 def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
-    """Explicit tuning dicts: the launcher's table first, then (with --tune) the other candidates."""
+    """Explicit tuning dicts: the launcher's default first (the Gluon FMA kernel where it applies, else the
+    tensor-core table), then (with --tune) the other candidates."""
     if DEV.type != "cuda":
         return [{}]
     from kernel_sweep import resolve
 
-    out = [resolve("new", B, L, Hq, H, {}, bits)]
+    from kernels.decode_attention.ops import _decode_attention_fma_kernel
+
+    fma = bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)
+    out = [resolve("new", B, L, Hq, H, dict(fma=True), bits)] if fma else []
+    if tune or not fma:
+        out.append(resolve("new", B, L, Hq, H, {}, bits))
     if tune:
         for c in CANDIDATES[bits]:
             t = resolve("new", B, L, Hq, H, c, bits)

@@ -45,7 +45,15 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
         t.setdefault("block_n", 128)
         t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"), programs_per_sm=2))
         return t
-    from kernels.decode_attention.ops import MAX_SPLITS, launch_config
+    from kernels.decode_attention.ops import FMA_PER_SM, MAX_SPLITS, launch_config
+
+    if t.get("fma"):  # the Gluon FMA kernel: only the split count applies
+        from kernels.decode_attention import common as C
+
+        per_sm = t.pop("per_sm", FMA_PER_SM)
+        t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"),
+                                                       programs_per_sm=per_sm, max_splits=MAX_SPLITS))
+        return t
 
     cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits,
                         swap=bool(t.get("swap_ab", False)))
@@ -152,6 +160,13 @@ def plan(name: str):
                                                         (128, 1024, 32, 32), (64, 4096, 32, 8), (8, 32768, 32, 8)]]
         out.append(((1, 131072, 32, 32), [("new", 2, dict(swap_ab=False))]
                     + [("new", 2, dict(swap_ab=True, num_splits=s)) for s in (64, 132, 264)]))
+        return out
+    if name == "fma":  # the Gluon FMA kernel (kernel_gluon.py, one query head per KV head) against the table
+        def vs():
+            return [("new", 2, {})] + [("new", 2, dict(fma=True, per_sm=p)) for p in (8, 16, 32)]
+        out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1024), (8, 32768)]]
+        long = [("new", 2, {})] + [("new", 2, dict(fma=True, num_splits=s)) for s in (66, 128)]
+        out.append(((1, 131072, 32, 32), long))
         return out
     raise SystemExit(f"unknown plan {name}")
 

@@ -41,7 +41,11 @@ for spec in specs:
         if isinstance(val, dict) and "tl_dtype" in val:
             val = getattr(tl, val["tl_dtype"])
         constexprs[key] = val
-    src = triton.compiler.ASTSource(fn, spec["signature"], constexprs)
+    if getattr(fn, "is_gluon", lambda: False)():  # Gluon kernels (triton.experimental.gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        source = triton.compiler.ASTSource
+    src = source(fn, spec["signature"], constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     info = dict(name=compiled.metadata.name, num_warps=compiled.metadata.num_warps,
                 shared=compiled.metadata.shared, cubin_bytes=len(compiled.asm["cubin"]),

@@ -236,6 +236,39 @@ def test_kernel_matches_reference(case: Case):
             assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
 
 
+# The Gluon FMA kernel (kernel_gluon.py): compiled only (Gluon has no interpreter), so these run on a GPU.
+# MHA 2-bit D=128: odd lengths, empty rows, ring-only rows, more splits than blocks, G=16/64, R=64/192,
+# pages of 256, fp32 / fp16 / bf16.
+FMA_CASES = [
+    Case((1000, 161, 0), 3, 3, 128, 2, 2, num_splits=2),
+    Case((700, 33, 300, 128, 129), 4, 4, 128, 2, 2, dtype=torch.float16, num_splits=3),
+    Case((500, 150), 2, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
+    Case((333, 290), 1, 1, 128, 2, 2, group_size=16, residual=64, page_size=256, num_splits=7),
+    Case((2000, 1), 2, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=40),
+]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", FMA_CASES, ids=lambda c: c.id)
+def test_fma_kernel_matches_reference(case: Case):
+    q, cache, _ = make_inputs(case)
+    expected = run(reference.decode_attention, case, q, cache)
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
+    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, fma=True)
+    assert got is out
+    assert_close(got, expected, TOL[case.dtype], case.id)
+    for b, L in enumerate(case.lens):
+        if L == 0:
+            assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
+
+
+def test_fma_kernel_rejects_ineligible_calls():
+    case = Case((300,), 4, 2, 128, 2, 2)  # two query heads per KV head
+    q, cache, _ = make_inputs(case)
+    with pytest.raises(ValueError, match="fma needs"):
+        run(decode_attention, case, q, cache, fma=True)
+
+
 def test_kernel_noncontiguous_query_and_fresh_output():
     case = Case((150, 40), 8, 2, 64, 2, 2)
     q, cache, _ = make_inputs(case)
@@ -304,6 +337,12 @@ def test_kernels_compile_for_h200():
                     lse_ptr="*fp32", qk_scale="fp32", num_splits="i32")
         warps = 1 if v.get("SWAP_AB") else 8 if v["QG"] == 1 else 4
         specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=warps)))
+    from kernels.decode_attention.kernel_gluon import _decode_attention_fma_kernel
+
+    gluon_ptrs = dict(specs[0][1], o_ptr="*fp32")
+    gluon_consts = dict(GROUP=32, RESIDUAL=128, PAGE=128, SPLIT=True, stride_kc_w=128, stride_ks_g=128,
+                        stride_vc_t=8, stride_vs_t=4, stride_res_t=128)
+    specs.append((_decode_attention_fma_kernel, gluon_ptrs, gluon_consts, dict(num_warps=1)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

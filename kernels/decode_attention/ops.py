@@ -9,6 +9,11 @@ import torch
 from . import common as C
 from .kernel import _decode_attention_kernel
 
+try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; it has no interpreter mode
+    from .kernel_gluon import _decode_attention_fma_kernel
+except ImportError:  # pragma: no cover - older triton
+    _decode_attention_fma_kernel = None
+
 _OP = "decode_attention"
 
 
@@ -24,6 +29,7 @@ _ONE_WARP = (32, 1, 2, True, 1, 8)
 _FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
 MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
 SWAP_PER_SM = 16  # programs per SM the swapped-operand loop's split count aims for
+FMA_PER_SM = 16  # programs per SM the Gluon FMA kernel's split count aims for (measured: 16 beats 4 and 8)
 
 
 def prefer_swap(rows: int, max_tokens: int) -> bool:
@@ -51,6 +57,15 @@ def _table_config(rows: int, qg: int, bits: int, max_tokens: int) -> tuple:
 def swap_eligible(k_bits: int, v_bits: int, head_dim: int, page_size: int, use_dot: bool) -> bool:
     """Whether the swapped-operand packed loop (kernel_swap.py) can run this call."""
     return k_bits == v_bits == 2 and head_dim == 128 and page_size % 128 == 0 and use_dot
+
+
+def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, residual_length: int,
+                 page_size: int, qg: int) -> bool:
+    """Whether the Gluon FMA kernel (kernel_gluon.py) can run this call: compiled (not the interpreter),
+    2-bit keys and values, one query head per KV head, head_dim 128, pages of whole 128-token blocks."""
+    return (_decode_attention_fma_kernel is not None and not C.interpreting() and q.is_cuda
+            and k_bits == v_bits == 2 and qg == 1 and q.shape[-1] == 128 and page_size % 128 == 0
+            and 16 <= group_size <= 128 and residual_length % 32 == 0)
 
 
 def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size: int, head_dim: int,
@@ -105,6 +120,7 @@ def decode_attention(
     lazy: bool | None = None,
     key_vec: int | None = None,
     swap_ab: bool | None = None,
+    fma: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -115,7 +131,9 @@ def decode_attention(
     pipelining depth of the packed loop), lazy (per-column softmax denominator, summed once at the end),
     key_vec (key-word loads per thread along channels; 1 keeps the dequantized key tile's shared-memory
     stores free of bank conflicts), swap_ab (2-bit keys and values, head_dim 128, block_n 128 only: the
-    transposed products of kernel_swap.py, whose dequantized tiles never leave registers).
+    transposed products of kernel_swap.py, whose dequantized tiles never leave registers), fma (2-bit keys and
+    values, one query head per KV head, head_dim 128, on a GPU: the Gluon FMA kernel of kernel_gluon.py; only
+    num_splits applies to it).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -127,10 +145,21 @@ def decode_attention(
     if batch == 0:
         return out
 
+    max_tokens = block_table.shape[1] * page_size + residual_length
+    if fma is None:  # by default wherever eligible, unless the tensor-core path's tuning was asked for
+        tuned = any(v is not None for v in (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab))
+        fma = not tuned and fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
+    if fma:
+        if not fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg):
+            raise ValueError(f"{_OP}: fma needs a CUDA device (no interpreter), 2-bit keys and values, one query "
+                             f"head per KV head, head_dim 128 and pages of whole 128-token blocks; got "
+                             f"k_bits={k_bits}, v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, "
+                             f"page_size={page_size}, group_size={group_size}, device={q.device}")
+        return _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
+                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens)
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
-    max_tokens = block_table.shape[1] * page_size + residual_length
     eligible = swap_eligible(k_bits, v_bits, head_dim, page_size, use_dot)
     if swap_ab and not eligible:
         raise ValueError(f"{_OP}: swap_ab needs 2-bit keys and values, head_dim 128, a page size that 128 divides "
@@ -161,6 +190,22 @@ def decode_attention(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
         block_table, slots, seq_lens, o, lse,
         qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
+        **_input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table),
+        **o_strides,
+        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
+        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
+        LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0, num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if workspace is not None:
+        C.merge_splits(*workspace, out)
+    return out
+
+
+def _input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table) -> dict:
+    """The stride arguments both decode kernels take (zero/scale and k_res/v_res pairs share strides)."""
+    return dict(
         stride_q_b=q.stride(0), stride_q_h=q.stride(1),
         stride_kc_n=k_codes.stride(0), stride_kc_h=k_codes.stride(1), stride_kc_w=k_codes.stride(2),
         stride_ks_n=k_scale.stride(0), stride_ks_h=k_scale.stride(1), stride_ks_g=k_scale.stride(2),
@@ -168,12 +213,23 @@ def decode_attention(
         stride_vs_n=v_scale.stride(0), stride_vs_h=v_scale.stride(1), stride_vs_t=v_scale.stride(2),
         stride_res_s=k_res.stride(0), stride_res_h=k_res.stride(1), stride_res_t=k_res.stride(2),
         stride_bt_s=block_table.stride(0),
-        **o_strides,
-        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
-        LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0, num_warps=num_warps,
-        num_stages=num_stages,
+    )
+
+
+def _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
+                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens) -> torch.Tensor:
+    """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge."""
+    batch, heads, _ = q.shape
+    if num_splits is None:
+        num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=FMA_PER_SM,
+                                         max_splits=MAX_SPLITS)
+    C.check_int(_OP, "num_splits", num_splits)
+    o, lse, o_strides, workspace = C.output_args(out, num_splits)
+    _decode_attention_fma_kernel[(batch, heads, num_splits)](
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens, o, lse,
+        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
+        **_input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
+        GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, num_warps=1,
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)
