@@ -191,10 +191,13 @@ def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
     if DEV.type != "cuda":
         return [{}]
     from kernel_sweep import resolve
+    from kivi_data import P, R, quantized_len, table_width
 
-    from kernels.decode_attention.ops import _decode_attention_fma_kernel
+    from kernels.decode_attention.ops import FMA_MIN_WORK, _decode_attention_fma_kernel
 
-    fma = bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)
+    max_tokens = table_width(-(-quantized_len(L) // P)) * P + R  # as resolve() computes it
+    fma = (bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)
+           and B * H * max_tokens >= FMA_MIN_WORK)
     out = [resolve("new", B, L, Hq, H, dict(fma=True), bits)] if fma else []
     if tune or not fma:
         out.append(resolve("new", B, L, Hq, H, {}, bits))

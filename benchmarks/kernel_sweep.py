@@ -163,9 +163,12 @@ def plan(name: str):
         return out
     if name == "fma":  # the Gluon FMA kernel (kernel_gluon.py, one query head per KV head) against the table
         def vs():
-            return [("new", 2, {})] + [("new", 2, dict(fma=True, per_sm=p)) for p in (8, 16, 32)]
+            return [("new", 2, {})] + [("new", 2, dict(fma=True, block_n=bn, maxnreg=r, per_sm=p))
+                                       for bn, r, p in [(128, None, 16), (64, None, 16), (64, 168, 24), (64, 128, 32),
+                                                        (128, 168, 24)]]
         out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1024), (8, 32768)]]
-        long = [("new", 2, {})] + [("new", 2, dict(fma=True, num_splits=s)) for s in (66, 128)]
+        long = [("new", 2, {})] + [("new", 2, dict(fma=True, block_n=bn, maxnreg=r, num_splits=128))
+                                   for bn, r in [(128, None), (64, None), (64, 168), (64, 128)]]
         out.append(((1, 131072, 32, 32), long))
         return out
     raise SystemExit(f"unknown plan {name}")

@@ -245,6 +245,9 @@ FMA_CASES = [
     Case((500, 150), 2, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
     Case((333, 290), 1, 1, 128, 2, 2, group_size=16, residual=64, page_size=256, num_splits=7),
     Case((2000, 1), 2, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=40),
+    Case((1000, 161, 0, 64, 65), 3, 3, 128, 2, 2, num_splits=3, block_n=64),
+    Case((700, 33), 2, 2, 128, 2, 2, group_size=16, residual=64, dtype=torch.float16, block_n=64,
+         extra=(("maxnreg", 128),)),
 ]
 
 
@@ -254,7 +257,8 @@ def test_fma_kernel_matches_reference(case: Case):
     q, cache, _ = make_inputs(case)
     expected = run(reference.decode_attention, case, q, cache)
     out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
-    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, fma=True)
+    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, block_n=case.block_n, fma=True,
+              **dict(case.extra))
     assert got is out
     assert_close(got, expected, TOL[case.dtype], case.id)
     for b, L in enumerate(case.lens):
@@ -343,6 +347,8 @@ def test_kernels_compile_for_h200():
     gluon_consts = dict(GROUP=32, RESIDUAL=128, PAGE=128, SPLIT=True, stride_kc_w=128, stride_ks_g=128,
                         stride_vc_t=8, stride_vs_t=4, stride_res_t=128)
     specs.append((_decode_attention_fma_kernel, gluon_ptrs, gluon_consts, dict(num_warps=1)))
+    specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, SPLIT=False),
+                  dict(num_warps=1, maxnreg=168)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

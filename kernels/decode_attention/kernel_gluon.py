@@ -1,28 +1,25 @@
 """Decode attention over a 2-bit KIVI cache on the FMA pipe, in Gluon (Triton's explicit-layout dialect).
-Only @gluon.jit code; the launcher is ops.decode_attention (fma path).
+Only @gluon.jit code; the launcher is ops.decode_attention (its fma path).
 
-One query head per KV head (Llama-2-style MHA), head_dim 128, 2-bit keys and values, 128-token blocks,
-one warp per program. Scales fold into the query (keys) and into the probabilities (values), so nothing
-is dequantized and no tile passes through shared memory:
+One query head per KV head (Llama-2-style MHA), head_dim 128, 2-bit keys and values, BLOCK_N-token steps
+(64 or 128), one warp per program. Scales fold into the query (keys) and into the probabilities (values),
+so nothing is dequantized and no tile passes through shared memory:
     score[t] = sum_c (4 q[c] k_scale[g, c]) u[t, c] + sum_c q[c] (k_zero[g, c] - 4 k_scale[g, c])
     out[c]  += sum_t (4 p[t] v_scale[t, g]) u[t, c] + sum_t p[t] (v_zero[t, g] - 4 v_scale[t, g])
-with u = 1 + code / 4, made from a code word by shifts and one LOP3 under fp32's exponent (one FMA per
-code). Plain Triton chooses its own layouts and puts lanes on the reduced dim of these tiles (the channels
-of a key word row; kernel_notes.md version 7); here the layouts are explicit:
-    keys   [128 channels, 8 words, 16 codes]: lanes = 4 channel quarters x 8 words, registers = 32
-           channels x 16 codes, so a score sums 32 products in a thread and 4 partials across lanes;
-    values [8, 16 (token 16 i + k), 8 words, 16 codes]: lanes = 4 token quarters x 8 value words,
-           registers = 32 tokens x 16 channels, so an output channel sums 32 products in a thread.
-The residual ring (bf16, at most 128 tokens) is read in 32-token chunks with values' channel layout.
+with u = 1 + code / 4: codes j and j + 8 of a word become an fp16 pair by one funnel shift and one LOP3,
+widened to fp32 for one FFMA each. Plain Triton chooses its own layouts and puts lanes on the reduced dim
+of these tiles (the channels of a key word row; kernel_notes.md version 7); here the layouts are explicit:
+    keys   [128 channels, K_WORDS = BLOCK_N / 16 words, 8 codes]: lanes = 32 / K_WORDS channel groups x
+           K_WORDS words, so a score sums 128 * K_WORDS / 32 products in a thread, then across lanes;
+    values [BLOCK_N / 16, 8 (token 16 i + 8 a + j), 8 words, 8 codes]: lanes = 4 token groups x 8 value
+           words, so an output channel sums BLOCK_N / 4 products in a thread, then across 4 lanes.
+Each thread holds channels 16 w + c and 16 w + 8 + c of its value word (acc_lo, acc_hi). The residual ring
+(at most R full-precision tokens) is read in 32-token chunks in the accumulators' channel layout.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-# keys [D, K_WORDS, 8]: channel = 16 r + 4 lane_c + i (r < 8 registers, i < 4 in a 16-byte load)
-_LK = gl.constexpr(gl.BlockedLayout([4, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1]))
-# values [8, 8, V_WORDS, 8]: token 16 i + 8 a + j (i = 2 lane_t + i', a: the half), channel 16 w + 8 b + c
-_LV = gl.constexpr(gl.BlockedLayout([2, 8, 1, 8], [4, 1, 8, 1], [1, 1, 1, 1], [3, 1, 0, 2]))
 # residual ring [32 tokens, V_WORDS, 8]: channel 16 w + 8 b + c for one half b, as the accumulator holds it
 _LR = gl.constexpr(gl.BlockedLayout([8, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1]))
 
@@ -44,14 +41,16 @@ def _unit_pairs(words, rot):
 
 
 @gluon.jit
-def _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p, a: gl.constexpr, stride_vc_t: gl.constexpr,
-                stride_vs_t: gl.constexpr, GROUP: gl.constexpr):
-    """Weighted value sums of tokens 16 i + 8 a + j (p [8 i, 8 j]): (channels 16 w + c, 16 w + 8 + c) [8, 8] each."""
-    VT3: gl.constexpr = gl.SliceLayout(3, _LV)  # [8 i, 8 j, V_WORDS]
-    offs_i = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, VT3)))
+def _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p, a: gl.constexpr, LV: gl.constexpr,
+                stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr):
+    """Value sums of tokens 16 i + 8 a + j (p [NI, 8 j]) over each thread's tokens: [NI, 8 w, 8 c] partials of
+    channels 16 w + c and 16 w + 8 + c (lanes of dim 0 hold the other tokens; the caller sums them)."""
+    VT3: gl.constexpr = gl.SliceLayout(3, LV)  # [NI, 8 j, V_WORDS]
+    NI: gl.constexpr = LV.size_per_thread[0] * LV.threads_per_warp[0]
+    offs_i = gl.arange(0, NI, layout=gl.SliceLayout(1, gl.SliceLayout(2, VT3)))
     offs_j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, VT3)))
     offs_vw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VT3)))
-    row = (offs_i * 16 + 8 * a)[:, None] + offs_j[None, :]  # [8, 8]
+    row = (offs_i * 16 + 8 * a)[:, None] + offs_j[None, :]  # [NI, 8]
     rows = (off + row)[:, :, None]
     words = gl.load(vc_ptr + rows * stride_vc_t + offs_vw[None, None, :])
     # scale rows past nq may hold anything (NaN): zeros there keep 0 * x finite
@@ -61,36 +60,34 @@ def _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p, a: gl.constexpr, stride
     v_off = gl.load(vz_ptr + s_offs, mask=valid, other=0.0).to(gl.float32) - v_mult
     p_v = gl.convert_layout(p, gl.SliceLayout(2, VT3))[:, :, None]
     p_mult = (p_v * v_mult)[:, :, :, None]
-    bias = gl.sum(gl.sum((p_v * v_off)[:, :, :, None], axis=1), axis=0)  # [8, 1]
-    rot = (40 - 2 * gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, _LV))))) % 32
+    bias = gl.sum((p_v * v_off)[:, :, :, None], axis=1)  # [NI, 8, 1]
+    rot = (40 - 2 * gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LV))))) % 32
     lo, hi = _unit_pairs(words[:, :, :, None], rot.to(gl.uint32)[None, None, None, :])
-    # (the in-thread token dim first: reducing the lane dim first would shuffle every partial)
-    o_lo = gl.sum(gl.sum(lo * p_mult, axis=1), axis=0) + bias
-    o_hi = gl.sum(gl.sum(hi * p_mult, axis=1), axis=0) + bias
-    return o_lo, o_hi
+    return gl.sum(lo * p_mult, axis=1) + bias, gl.sum(hi * p_mult, axis=1) + bias
 
 
 @gluon.jit
 def _packed_block(q_c, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, off, n_valid, m_i, l_i, acc_lo, acc_hi,
-                  stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
-                  stride_vs_t: gl.constexpr, GROUP: gl.constexpr):
-    """One online-softmax step over page tokens [off, off + 128) (pointers at the page and head)."""
-    KW2: gl.constexpr = gl.SliceLayout(2, _LK)  # [D, K_WORDS]
-    S2: gl.constexpr = gl.SliceLayout(0, _LK)  # [K_WORDS, 8] scores
-    # stage 1: key words [D, 8] and their scales, folded into the query
+                  LK: gl.constexpr, LV: gl.constexpr, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr,
+                  stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr):
+    """One online-softmax step over page tokens [off, off + 16 K_WORDS) (pointers at the page and head)."""
+    KW2: gl.constexpr = gl.SliceLayout(2, LK)  # [D, K_WORDS]
+    S2: gl.constexpr = gl.SliceLayout(0, LK)  # [K_WORDS, 8] scores
+    K_WORDS: gl.constexpr = LK.threads_per_warp[1]
+    # stage 1: key words [D, K_WORDS] and their scales, folded into the query
     offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, KW2))
-    offs_kw = gl.arange(0, 8, layout=gl.SliceLayout(0, KW2))
+    offs_kw = gl.arange(0, K_WORDS, layout=gl.SliceLayout(0, KW2))
     words = gl.load(kc_ptr + (off // 16 + offs_kw)[None, :] * stride_kc_w + offs_c[:, None])
     g_offs = ((off + offs_kw * 16) // GROUP)[None, :] * stride_ks_g + offs_c[:, None]
     k_mult = gl.load(ks_ptr + g_offs).to(gl.float32) * 4.0
     k_off = gl.load(kz_ptr + g_offs).to(gl.float32) - k_mult
     q_mult = (q_c[:, None] * k_mult)[:, :, None]
-    bias = gl.sum((q_c[:, None] * k_off)[:, :, None], axis=0)  # [8, 1]
-    # stage 2: scores of tokens 16 w + j (lo) and 16 w + 8 + j (hi), [8 words, 8], log2 domain (q_c is scaled)
-    rot = (40 - 2 * gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _LK)))) % 32
+    bias = gl.sum((q_c[:, None] * k_off)[:, :, None], axis=0)  # [K_WORDS, 1]
+    # stage 2: scores of tokens 16 w + j (lo) and 16 w + 8 + j (hi), [K_WORDS, 8], log2 domain (q_c is scaled)
+    rot = (40 - 2 * gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LK)))) % 32
     lo, hi = _unit_pairs(words[:, :, None], rot.to(gl.uint32)[None, None, :])
-    tok = (gl.arange(0, 8, layout=gl.SliceLayout(1, S2)) * 16)[:, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, S2))[
-        None, :]
+    tok = ((gl.arange(0, K_WORDS, layout=gl.SliceLayout(1, S2)) * 16)[:, None]
+           + gl.arange(0, 8, layout=gl.SliceLayout(0, S2))[None, :])
     s_lo = gl.where(tok < n_valid, gl.sum(lo * q_mult, axis=0) + bias, float("-inf"))
     s_hi = gl.where(tok + 8 < n_valid, gl.sum(hi * q_mult, axis=0) + bias, float("-inf"))
     # stage 3: online softmax
@@ -100,10 +97,13 @@ def _packed_block(q_c, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, off, n_va
     p_lo = gl.exp2(s_lo - m_safe)
     p_hi = gl.exp2(s_hi - m_safe)
     l_i = l_i * alpha + gl.sum(gl.sum(p_lo + p_hi, axis=1), axis=0)
-    # stage 4: the values of both token halves into acc (channel 16 w + c: acc_lo, 16 w + 8 + c: acc_hi)
-    o_lo, o_hi = _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p_lo, 0, stride_vc_t, stride_vs_t, GROUP)
-    o2_lo, o2_hi = _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p_hi, 1, stride_vc_t, stride_vs_t, GROUP)
-    return m_new, l_i, acc_lo * alpha + (o_lo + o2_lo), acc_hi * alpha + (o_hi + o2_hi)
+    # stage 4: the values of both token halves into acc (channel 16 w + c: acc_lo, 16 w + 8 + c: acc_hi); the
+    # halves add inside each thread before the sum across lanes
+    v0_lo, v0_hi = _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p_lo, 0, LV, stride_vc_t, stride_vs_t, GROUP)
+    v1_lo, v1_hi = _value_half(vc_ptr, vs_ptr, vz_ptr, off, n_valid, p_hi, 1, LV, stride_vc_t, stride_vs_t, GROUP)
+    acc_lo = acc_lo * alpha + gl.sum(v0_lo + v1_lo, axis=0)
+    acc_hi = acc_hi * alpha + gl.sum(v0_hi + v1_hi, axis=0)
+    return m_new, l_i, acc_lo, acc_hi
 
 
 @gluon.jit
@@ -149,6 +149,7 @@ def _decode_attention_fma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+    BLOCK_N: gl.constexpr = 128,
 ):
     """grid (B, H, num_splits): query head h of row b against KV head h (Hq == H), one split of the keys.
 
@@ -156,9 +157,16 @@ def _decode_attention_fma_kernel(
     ring slots [0, min(L, R)) in 128-slot steps; a split owns a contiguous range of those blocks (as in
     kernel.py). Output: acc / l in o_ptr's dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp.
     """
-    gl.static_assert(PAGE % 128 == 0)
+    gl.static_assert(PAGE % BLOCK_N == 0 and (BLOCK_N == 64 or BLOCK_N == 128))
     gl.static_assert(RESIDUAL % 32 == 0)
-    ACC2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, _LV))  # [8 words, 8]: channels 16 w + c (+ 8)
+    K_WORDS: gl.constexpr = BLOCK_N // 16
+    # keys [D, K_WORDS, 8 codes j]: channel = 4 (lanes of dim 0) r + 4 lane + i, i < 4 in a 16-byte load;
+    # token 16 w + j (lo) or 16 w + 8 + j (hi)
+    LK: gl.constexpr = gl.BlockedLayout([4, 1, 8], [32 // K_WORDS, K_WORDS, 1], [1, 1, 1], [2, 0, 1])
+    # values [BLOCK_N / 16 i, 8 j, 8 words w, 8 codes c]: token 16 i + 8 a + j (a: the half), channel 16 w + c
+    # (lo) or 16 w + 8 + c (hi); lanes = 4 token groups x 8 words
+    LV: gl.constexpr = gl.BlockedLayout([BLOCK_N // 64, 8, 1, 8], [4, 1, 8, 1], [1, 1, 1, 1], [3, 1, 0, 2])
+    ACC2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, LV))  # [8 words, 8]: channels 16 w + c (+ 8)
     b = gl.program_id(0).to(gl.int64)
     h = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
@@ -167,14 +175,14 @@ def _decode_attention_fma_kernel(
     slot = gl.load(slots_ptr + b).to(gl.int64)
     nq = gl.cdiv(gl.maximum(seq_len - RESIDUAL, 0), GROUP) * GROUP
     n_res = seq_len - nq
-    n_packed = gl.cdiv(nq, 128)
+    n_packed = gl.cdiv(nq, BLOCK_N)
     n_blocks = n_packed + gl.cdiv(gl.minimum(seq_len, RESIDUAL), 128)
     per_split = gl.cdiv(n_blocks, num_splits)
     lo = split * per_split
     hi = gl.minimum(lo + per_split, n_blocks)
     # stage 1: the query, scaled into the log2 domain, in the key tiles' and the ring's layouts
     q_row = q_ptr + b * stride_q_b + h * stride_q_h
-    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, gl.SliceLayout(2, _LK)))
+    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, gl.SliceLayout(2, LK)))
     q_c = gl.load(q_row + offs_c).to(gl.float32) * qk_scale
     offs_w = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(0, _LR)))
     offs_cc = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, _LR)))
@@ -187,13 +195,14 @@ def _decode_attention_fma_kernel(
     # stage 2: packed blocks through the block table
     bt_row = block_table_ptr + slot * stride_bt_s
     for blk in range(lo, gl.minimum(hi, n_packed)):
-        tok = blk * 128
+        tok = blk * BLOCK_N
         page = gl.load(bt_row + tok // PAGE).to(gl.int64)
         m_i, l_i, acc_lo, acc_hi = _packed_block(
             q_c, kc_ptr + page * stride_kc_n + h * stride_kc_h, ks_ptr + page * stride_ks_n + h * stride_ks_h,
             kz_ptr + page * stride_ks_n + h * stride_ks_h, vc_ptr + page * stride_vc_n + h * stride_vc_h,
             vs_ptr + page * stride_vs_n + h * stride_vs_h, vz_ptr + page * stride_vs_n + h * stride_vs_h,
-            tok % PAGE, nq - tok, m_i, l_i, acc_lo, acc_hi, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP)
+            tok % PAGE, nq - tok, m_i, l_i, acc_lo, acc_hi, LK, LV, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t,
+            GROUP)
     # stage 3: the full-precision ring (ring order never matters), 32 slots at a time
     res = slot * stride_res_s + h * stride_res_h
     nq_mod = nq % RESIDUAL

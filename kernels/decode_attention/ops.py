@@ -29,7 +29,15 @@ _ONE_WARP = (32, 1, 2, True, 1, 8)
 _FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
 MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
 SWAP_PER_SM = 16  # programs per SM the swapped-operand loop's split count aims for
-FMA_PER_SM = 16  # programs per SM the Gluon FMA kernel's split count aims for (measured: 16 beats 4 and 8)
+# The Gluon FMA kernel (kernels-20261129-h200-sweep-fma-regs.json): 64-token steps capped at 128 registers (16
+# one-warp programs per SM, a few spills) beat 128-token steps at the compiler's 255 by 1.2-1.4x
+FMA_BLOCK_N = 64  # tokens per step
+FMA_MAXNREG = 128  # register cap per thread
+FMA_PER_SM = 32  # programs per SM its split count aims for
+# below this many (KV row x token) pairs per call the tensor-core table measured faster (kernels-20261129-h200-
+# fma64.json: 17.6 vs 7.7 us at B=1, L=512, 28 vs 22 us at B=1, L=4,096, 23 vs 21 us at B=8, L=512; the FMA
+# kernel is 1.24-2.2x faster from B=1, L=32,768 and B=64, L=512 up)
+FMA_MIN_WORK = 1 << 19
 
 
 def prefer_swap(rows: int, max_tokens: int) -> bool:
@@ -121,6 +129,7 @@ def decode_attention(
     key_vec: int | None = None,
     swap_ab: bool | None = None,
     fma: bool | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -132,8 +141,9 @@ def decode_attention(
     key_vec (key-word loads per thread along channels; 1 keeps the dequantized key tile's shared-memory
     stores free of bank conflicts), swap_ab (2-bit keys and values, head_dim 128, block_n 128 only: the
     transposed products of kernel_swap.py, whose dequantized tiles never leave registers), fma (2-bit keys and
-    values, one query head per KV head, head_dim 128, on a GPU: the Gluon FMA kernel of kernel_gluon.py; only
-    num_splits applies to it).
+    values, one query head per KV head, head_dim 128, on a GPU: the Gluon FMA kernel of kernel_gluon.py; of the
+    other knobs only num_splits and block_n (64 or 128) apply to it), maxnreg (the FMA kernel's register cap per
+    thread, which sets how many of its one-warp programs an SM holds).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -148,7 +158,8 @@ def decode_attention(
     max_tokens = block_table.shape[1] * page_size + residual_length
     if fma is None:  # by default wherever eligible, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab))
-        fma = not tuned and fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
+        fma = (not tuned and batch * kv_heads * max_tokens >= FMA_MIN_WORK
+               and fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg))
     if fma:
         if not fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg):
             raise ValueError(f"{_OP}: fma needs a CUDA device (no interpreter), 2-bit keys and values, one query "
@@ -156,7 +167,8 @@ def decode_attention(
                              f"k_bits={k_bits}, v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, "
                              f"page_size={page_size}, group_size={group_size}, device={q.device}")
         return _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
-                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens)
+                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
+                           FMA_BLOCK_N if block_n is None else block_n, FMA_MAXNREG if maxnreg is None else maxnreg)
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
@@ -217,9 +229,15 @@ def _input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table) ->
 
 
 def _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
-                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens) -> torch.Tensor:
+                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n,
+                maxnreg) -> torch.Tensor:
     """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge."""
     batch, heads, _ = q.shape
+    C.check_int(_OP, "block_n", block_n, (64, 128))
+    if page_size % block_n:
+        raise ValueError(f"{_OP}: the fma kernel's block_n={block_n} must divide page_size={page_size}")
+    if maxnreg is not None:
+        C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
     if num_splits is None:
         num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=FMA_PER_SM,
                                          max_splits=MAX_SPLITS)
@@ -229,7 +247,8 @@ def _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens, o, lse,
         qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
         **_input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
-        GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, num_warps=1,
+        GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, BLOCK_N=block_n,
+        num_warps=1, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)
