@@ -193,7 +193,7 @@ def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
     from kernel_sweep import resolve
     from kivi_data import P, R, quantized_len, table_width
 
-    from kernels.decode_attention.ops import FMA_MIN_WORK, _decode_attention_fma_kernel
+    from kernels.decode_attention.ops_fma import FMA_MIN_WORK, _decode_attention_fma_kernel
 
     max_tokens = table_width(-(-quantized_len(L) // P)) * P + R  # as resolve() computes it
     fma = (bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)

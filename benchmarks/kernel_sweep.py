@@ -45,7 +45,8 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
         t.setdefault("block_n", 128)
         t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"), programs_per_sm=2))
         return t
-    from kernels.decode_attention.ops import FMA_PER_SM, MAX_SPLITS, launch_config
+    from kernels.decode_attention.ops import MAX_SPLITS, launch_config
+    from kernels.decode_attention.ops_fma import FMA_PER_SM
 
     if t.get("fma"):  # the Gluon FMA kernel: only the split count applies
         from kernels.decode_attention import common as C

@@ -273,6 +273,36 @@ def test_fma_kernel_rejects_ineligible_calls():
         run(decode_attention, case, q, cache, fma=True)
 
 
+def test_fma_launcher_passes_every_kernel_argument(monkeypatch):
+    """launch_fma's host side (no GPU needed): the recorded launch names every parameter of the Gluon kernel
+    exactly once, with the grid, block size and register cap the launcher chose."""
+    from kernels.decode_attention import kernel_gluon, ops_fma
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(ops_fma, "_decode_attention_fma_kernel", Recorder())
+    case = Case((300, 77), 3, 3, 128, 2, 2)
+    q, cache, _ = make_inputs(case)
+    out = torch.empty_like(q)
+    args = [cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
+                               "block_table", "slots", "seq_lens")]
+    got = ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64, 128)
+    assert got is out and len(calls) == 1
+    grid, pos, kw = calls[0]
+    assert grid == (2, 3, 1)
+    names = kernel_gluon._decode_attention_fma_kernel.arg_names
+    passed = list(names[:len(pos)]) + [k for k in kw if k in names]
+    assert sorted(passed) == sorted(names), set(names) ^ set(passed)
+    assert kw["BLOCK_N"] == 64 and kw["maxnreg"] == 128 and kw["num_warps"] == 1 and kw["SPLIT"] is False
+    assert pos[0] is q and pos[12] is out
+    with pytest.raises(ValueError, match="block_n"):
+        ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 32, None)
+
+
 def test_kernel_noncontiguous_query_and_fresh_output():
     case = Case((150, 40), 8, 2, 64, 2, 2)
     q, cache, _ = make_inputs(case)

@@ -17,6 +17,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NUM_SMS_DEFAULT = 132  # H200
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
+ONE_WARP_MAX_SPLITS = 128  # long rows at batch 1 want many splits of one-warp programs
 
 
 def interpreting() -> bool:
@@ -142,3 +143,16 @@ def prepare_out(op: str, out: torch.Tensor | None, shape: tuple[int, ...], like:
     if out.device != like.device:
         raise ValueError(f"{op}: out is on {out.device}, expected {like.device}")
     return out
+
+
+def input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table) -> dict:
+    """The stride arguments both decode kernels take (zero/scale and k_res/v_res pairs share strides)."""
+    return dict(
+        stride_q_b=q.stride(0), stride_q_h=q.stride(1),
+        stride_kc_n=k_codes.stride(0), stride_kc_h=k_codes.stride(1), stride_kc_w=k_codes.stride(2),
+        stride_ks_n=k_scale.stride(0), stride_ks_h=k_scale.stride(1), stride_ks_g=k_scale.stride(2),
+        stride_vc_n=v_codes.stride(0), stride_vc_h=v_codes.stride(1), stride_vc_t=v_codes.stride(2),
+        stride_vs_n=v_scale.stride(0), stride_vs_h=v_scale.stride(1), stride_vs_t=v_scale.stride(2),
+        stride_res_s=k_res.stride(0), stride_res_h=k_res.stride(1), stride_res_t=k_res.stride(2),
+        stride_bt_s=block_table.stride(0),
+    )

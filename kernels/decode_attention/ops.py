@@ -8,11 +8,7 @@ import torch
 
 from . import common as C
 from .kernel import _decode_attention_kernel
-
-try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; it has no interpreter mode
-    from .kernel_gluon import _decode_attention_fma_kernel
-except ImportError:  # pragma: no cover - older triton
-    _decode_attention_fma_kernel = None
+from .ops_fma import FMA_BLOCK_N, FMA_MAXNREG, FMA_MIN_WORK, fma_eligible, launch_fma
 
 _OP = "decode_attention"
 
@@ -27,17 +23,8 @@ _OP = "decode_attention"
 #   (block_n, num_warps, num_stages, lazy denominator, key_vec, programs per SM the split count aims for)
 _ONE_WARP = (32, 1, 2, True, 1, 8)
 _FOUR_WARPS = {2: (64, 4, 2, True, 2, 4), 4: (64, 4, 2, True, 4, 3)}
-MAX_SPLITS = 128  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
+MAX_SPLITS = C.ONE_WARP_MAX_SPLITS  # long rows at batch 1 want many splits (one-warp programs: 8 per SM)
 SWAP_PER_SM = 16  # programs per SM the swapped-operand loop's split count aims for
-# The Gluon FMA kernel (kernels-20261129-h200-sweep-fma-regs.json): 64-token steps capped at 128 registers (16
-# one-warp programs per SM, a few spills) beat 128-token steps at the compiler's 255 by 1.2-1.4x
-FMA_BLOCK_N = 64  # tokens per step
-FMA_MAXNREG = 128  # register cap per thread
-FMA_PER_SM = 32  # programs per SM its split count aims for
-# below this many (KV row x token) pairs per call the tensor-core table measured faster (kernels-20261129-h200-
-# fma64.json: 17.6 vs 7.7 us at B=1, L=512, 28 vs 22 us at B=1, L=4,096, 23 vs 21 us at B=8, L=512; the FMA
-# kernel is 1.24-2.2x faster from B=1, L=32,768 and B=64, L=512 up)
-FMA_MIN_WORK = 1 << 19
 
 
 def prefer_swap(rows: int, max_tokens: int) -> bool:
@@ -65,15 +52,6 @@ def _table_config(rows: int, qg: int, bits: int, max_tokens: int) -> tuple:
 def swap_eligible(k_bits: int, v_bits: int, head_dim: int, page_size: int, use_dot: bool) -> bool:
     """Whether the swapped-operand packed loop (kernel_swap.py) can run this call."""
     return k_bits == v_bits == 2 and head_dim == 128 and page_size % 128 == 0 and use_dot
-
-
-def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, residual_length: int,
-                 page_size: int, qg: int) -> bool:
-    """Whether the Gluon FMA kernel (kernel_gluon.py) can run this call: compiled (not the interpreter),
-    2-bit keys and values, one query head per KV head, head_dim 128, pages of whole 128-token blocks."""
-    return (_decode_attention_fma_kernel is not None and not C.interpreting() and q.is_cuda
-            and k_bits == v_bits == 2 and qg == 1 and q.shape[-1] == 128 and page_size % 128 == 0
-            and 16 <= group_size <= 128 and residual_length % 32 == 0)
 
 
 def launch_config(batch: int, kv_heads: int, qg: int, max_tokens: int, page_size: int, head_dim: int,
@@ -166,9 +144,9 @@ def decode_attention(
                              f"head per KV head, head_dim 128 and pages of whole 128-token blocks; got "
                              f"k_bits={k_bits}, v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, "
                              f"page_size={page_size}, group_size={group_size}, device={q.device}")
-        return _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
+        return launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                            seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                           FMA_BLOCK_N if block_n is None else block_n, FMA_MAXNREG if maxnreg is None else maxnreg)
+                          FMA_BLOCK_N if block_n is None else block_n, FMA_MAXNREG if maxnreg is None else maxnreg)
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
@@ -202,53 +180,13 @@ def decode_attention(
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
         block_table, slots, seq_lens, o, lse,
         qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
-        **_input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table),
+        **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table),
         **o_strides,
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
         HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
         LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
         USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0, num_warps=num_warps,
         num_stages=num_stages,
-    )
-    if workspace is not None:
-        C.merge_splits(*workspace, out)
-    return out
-
-
-def _input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table) -> dict:
-    """The stride arguments both decode kernels take (zero/scale and k_res/v_res pairs share strides)."""
-    return dict(
-        stride_q_b=q.stride(0), stride_q_h=q.stride(1),
-        stride_kc_n=k_codes.stride(0), stride_kc_h=k_codes.stride(1), stride_kc_w=k_codes.stride(2),
-        stride_ks_n=k_scale.stride(0), stride_ks_h=k_scale.stride(1), stride_ks_g=k_scale.stride(2),
-        stride_vc_n=v_codes.stride(0), stride_vc_h=v_codes.stride(1), stride_vc_t=v_codes.stride(2),
-        stride_vs_n=v_scale.stride(0), stride_vs_h=v_scale.stride(1), stride_vs_t=v_scale.stride(2),
-        stride_res_s=k_res.stride(0), stride_res_h=k_res.stride(1), stride_res_t=k_res.stride(2),
-        stride_bt_s=block_table.stride(0),
-    )
-
-
-def _launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
-                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n,
-                maxnreg) -> torch.Tensor:
-    """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge."""
-    batch, heads, _ = q.shape
-    C.check_int(_OP, "block_n", block_n, (64, 128))
-    if page_size % block_n:
-        raise ValueError(f"{_OP}: the fma kernel's block_n={block_n} must divide page_size={page_size}")
-    if maxnreg is not None:
-        C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
-    if num_splits is None:
-        num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=FMA_PER_SM,
-                                         max_splits=MAX_SPLITS)
-    C.check_int(_OP, "num_splits", num_splits)
-    o, lse, o_strides, workspace = C.output_args(out, num_splits)
-    _decode_attention_fma_kernel[(batch, heads, num_splits)](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens, o, lse,
-        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
-        **_input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
-        GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, BLOCK_N=block_n,
-        num_warps=1, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)
