@@ -190,14 +190,12 @@ def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
     tensor-core table), then (with --tune) the other candidates."""
     if DEV.type != "cuda":
         return [{}]
-    from kernel_sweep import resolve
-    from kivi_data import P, R, quantized_len, table_width
+    from kernel_sweep import max_tokens_of, resolve
 
-    from kernels.decode_attention.ops_fma import FMA_MIN_WORK, _decode_attention_fma_kernel
+    from kernels.decode_attention.ops_fma import _decode_attention_fma_kernel, fma_by_default
 
-    max_tokens = table_width(-(-quantized_len(L) // P)) * P + R  # as resolve() computes it
-    fma = (bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)
-           and B * H * max_tokens >= FMA_MIN_WORK)
+    eligible = bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)
+    fma = fma_by_default(B * H, max_tokens_of(L), eligible)
     out = [resolve("new", B, L, Hq, H, dict(fma=True), bits)] if fma else []
     if tune or not fma:
         out.append(resolve("new", B, L, Hq, H, {}, bits))

@@ -33,11 +33,18 @@ DTYPE = torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------ variants
-def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int = 2) -> dict:
-    """Explicit tuning (every knob set) so that compile keys never depend on the batch size."""
+def max_tokens_of(L: int) -> int:
+    """The launcher's max_tokens for rows of L tokens in kivi_data's caches (block-table capacity + the ring)."""
     from kivi_data import P, R, quantized_len, table_width
 
-    max_tokens = table_width(-(-quantized_len(L) // P)) * P + R
+    return table_width(-(-quantized_len(L) // P)) * P + R
+
+
+def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int = 2) -> dict:
+    """Explicit tuning (every knob set) so that compile keys never depend on the batch size."""
+    from kivi_data import P
+
+    max_tokens = max_tokens_of(L)
     t = dict(tuning)
     if impl == "v1":
         from kernels.decode_attention import common as C

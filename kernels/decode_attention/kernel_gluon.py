@@ -153,7 +153,7 @@ def _decode_attention_fma_kernel(
 ):
     """grid (B, H, num_splits): query head h of row b against KV head h (Hq == H), one split of the keys.
 
-    Key blocks of one row: the packed tokens [0, nq) in 128-token steps through the block table, then the
+    Key blocks of one row: the packed tokens [0, nq) in BLOCK_N-token steps through the block table, then the
     ring slots [0, min(L, R)) in 128-slot steps; a split owns a contiguous range of those blocks (as in
     kernel.py). Output: acc / l in o_ptr's dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp.
     """

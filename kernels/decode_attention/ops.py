@@ -8,7 +8,7 @@ import torch
 
 from . import common as C
 from .kernel import _decode_attention_kernel
-from .ops_fma import FMA_BLOCK_N, FMA_MAXNREG, FMA_MIN_WORK, fma_eligible, launch_fma
+from .ops_fma import FMA_BLOCK_N, FMA_MAXNREG, fma_by_default, fma_eligible, launch_fma
 
 _OP = "decode_attention"
 
@@ -134,12 +134,12 @@ def decode_attention(
         return out
 
     max_tokens = block_table.shape[1] * page_size + residual_length
-    if fma is None:  # by default wherever eligible, unless the tensor-core path's tuning was asked for
+    eligible = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
+    if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab))
-        fma = (not tuned and batch * kv_heads * max_tokens >= FMA_MIN_WORK
-               and fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg))
+        fma = not tuned and fma_by_default(batch * kv_heads, max_tokens, eligible)
     if fma:
-        if not fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg):
+        if not eligible:
             raise ValueError(f"{_OP}: fma needs a CUDA device (no interpreter), 2-bit keys and values, one query "
                              f"head per KV head, head_dim 128 and pages of whole 128-token blocks; got "
                              f"k_bits={k_bits}, v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, "

@@ -39,6 +39,12 @@ def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, res
             and 16 <= group_size <= 128 and residual_length % 32 == 0)
 
 
+def fma_by_default(rows: int, max_tokens: int, eligible: bool) -> bool:
+    """The launcher's default: the FMA kernel for eligible calls of at least FMA_MIN_WORK (KV row x token)
+    pairs; rows = batch * KV heads, max_tokens = the block table's capacity plus the residual ring."""
+    return eligible and rows * max_tokens >= FMA_MIN_WORK
+
+
 def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                 out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n,
                 maxnreg) -> torch.Tensor:
