@@ -26,8 +26,10 @@ FMA_MAXNREG = 128  # register cap per thread
 FMA_PER_SM = 32  # programs per SM its split count aims for
 # below this many (KV row x token) pairs per call the tensor-core table measured faster (kernels-20261129-h200-
 # fma64.json: 17.6 vs 7.7 us at B=1, L=512, 28 vs 22 us at B=1, L=4,096, 23 vs 21 us at B=8, L=512; the FMA
-# kernel is 1.24-2.2x faster from B=1, L=32,768 and B=64, L=512 up)
-FMA_MIN_WORK = 1 << 19
+# kernel is 1.24-2.2x faster from B=1, L=32,768, B=8, L=4,096 and B=64, L=512 up). Counted with max_tokens,
+# the block table's capacity: that bench's tables are padded to 16 pages, so B=8, L=512 counts 256 x 2,176
+# = 557k pairs and B=1, L=32,768 counts 1.05M
+FMA_MIN_WORK = 1 << 20
 
 
 def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, residual_length: int,
