@@ -179,6 +179,14 @@ def plan(name: str):
                                    for bn, r in [(128, None), (64, None), (64, 168), (64, 128)]]
         out.append(((1, 131072, 32, 32), long))
         return out
+    if name == "async":  # the FMA kernel with cp.async stages (its default) against the plain loop
+        def vs():
+            return ([("new", 2, dict(fma=True, cp_async=False, maxnreg=128, per_sm=32))]
+                    + [("new", 2, dict(fma=True, cp_async=True, per_sm=p)) for p in (24, 48, 96)])
+        out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1152), (256, 4096), (8, 32768)]]
+        out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, cp_async=False, maxnreg=128, num_splits=128))]
+                    + [("new", 2, dict(fma=True, cp_async=True, num_splits=s)) for s in (128, 192)]))
+        return out
     raise SystemExit(f"unknown plan {name}")
 
 

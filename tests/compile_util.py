@@ -10,7 +10,8 @@ where it is set, so the compile must happen elsewhere). The kernel is re-importe
 signature: {arg name: type} in triton 3.9's format: "*fp16", "*bf16", "*fp32", "*i32" (pointers), "i32",
 "i64", "fp32" (scalars). Arguments that are neither in `signature` nor in `constexprs` take their default
 value as a constexpr when the kernel gives one, else they are "i32" (strides and sizes); constexpr arguments
-are typed "constexpr" automatically. Constexpr values may be
+are typed "constexpr" automatically. options may name `aligned` arguments (pointers, strides), compiled as
+divisible by 16 as Triton's launcher specializes them. Constexpr values may be
 ints, floats, bools, strings, None or triton.language dtypes (tl.float16 ...).
 Returns per kernel a dict: name, num_warps, shared (bytes), cubin_bytes, ptx_lines, and `ptx` / `ttgir`
 text when keep_asm=True. A failed compile raises RuntimeError with the compiler's message.
@@ -45,7 +46,8 @@ for spec in specs:
         from triton.experimental.gluon._runtime import GluonASTSource as source
     else:
         source = triton.compiler.ASTSource
-    src = source(fn, spec["signature"], constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in spec["aligned"]}
+    src = source(fn, spec["signature"], constexprs, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=spec["options"])
     info = dict(name=compiled.metadata.name, num_warps=compiled.metadata.num_warps,
                 shared=compiled.metadata.shared, cubin_bytes=len(compiled.asm["cubin"]),
@@ -86,9 +88,11 @@ def _spec(fn, signature: dict, constexprs: dict, options: dict | None, keep_asm:
     constexprs = {**{a: p.default for a, p in params.items() if a not in constexprs and a not in signature
                      and p.default is not inspect.Parameter.empty}, **constexprs}
     full = {a: "constexpr" if a in constexprs else signature.get(a, "i32") for a in arg_names}
+    options = dict(options or {})
+    aligned = list(options.pop("aligned", ()))  # arguments Triton would specialize as divisible by 16
     return dict(module=module, name=name, signature=full,
                 constexprs={k: _encode_constexpr(v) for k, v in constexprs.items()},
-                options=dict(options or {}), keep_asm=keep_asm)
+                options=options, aligned=aligned, keep_asm=keep_asm)
 
 
 def compile_for_sm90_many(specs, *, keep_asm: bool = False, timeout: float = 300.0) -> list[dict]:

@@ -248,6 +248,14 @@ FMA_CASES = [
     Case((1000, 161, 0, 64, 65), 3, 3, 128, 2, 2, num_splits=3, block_n=64),
     Case((700, 33), 2, 2, 128, 2, 2, group_size=16, residual=64, dtype=torch.float16, block_n=64,
          extra=(("maxnreg", 128),)),
+    Case((1000, 161, 0, 64, 65, 300), 3, 3, 128, 2, 2, num_splits=3, block_n=64, extra=(("cp_async", False),)),
+    Case((700, 33, 129, 2000), 2, 2, 128, 2, 2, group_size=128, residual=128, dtype=torch.float16, page_size=256,
+         num_splits=5, extra=(("cp_async", True),)),
+    Case((900, 77, 5), 2, 2, 128, 2, 2, group_size=16, residual=192, dtype=torch.bfloat16,
+         extra=(("cp_async", True),)),
+    Case((1500, 1, 200), 2, 2, 128, 2, 2, block_n=128, num_splits=2, extra=(("cp_async", True), ("maxnreg", 168))),
+    Case((333, 290), 1, 1, 128, 2, 2, group_size=16, residual=64, page_size=256, num_splits=7,
+         extra=(("cp_async", False),)),
 ]
 
 
@@ -290,17 +298,27 @@ def test_fma_launcher_passes_every_kernel_argument(monkeypatch):
     out = torch.empty_like(q)
     args = [cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
                                "block_table", "slots", "seq_lens")]
-    got = ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64, 128)
+    got = ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64)
     assert got is out and len(calls) == 1
     grid, pos, kw = calls[0]
     assert grid == (2, 3, 1)
     names = kernel_gluon._decode_attention_fma_kernel.arg_names
     passed = list(names[:len(pos)]) + [k for k in kw if k in names]
     assert sorted(passed) == sorted(names), set(names) ^ set(passed)
-    assert kw["BLOCK_N"] == 64 and kw["maxnreg"] == 128 and kw["num_warps"] == 1 and kw["SPLIT"] is False
+    assert kw["BLOCK_N"] == 64 and kw["num_warps"] == 1 and kw["SPLIT"] is False
+    assert kw["ASYNC"] is True and kw["maxnreg"] == ops_fma.FMA_MAXNREG  # aligned caches take the cp.async loop
     assert pos[0] is q and pos[12] is out
+    # a ring that is not 16-byte aligned takes the plain loop by default and is refused for cp.async
+    shifted = [a.flatten() for a in args[6:8]]
+    shifted = [torch.cat([a[:1], a]).narrow(0, 1, a.numel()).view(args[6].shape) for a in shifted]
+    assert shifted[0].data_ptr() % 16 and shifted[0].stride() == args[6].stride()
+    unaligned = args[:6] + shifted + args[8:]
+    ops_fma.launch_fma(q, *unaligned, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64)
+    assert calls[1][2]["ASYNC"] is False and calls[1][2]["maxnreg"] == ops_fma.FMA_MAXNREG_PLAIN
+    with pytest.raises(ValueError, match="cp_async"):
+        ops_fma.launch_fma(q, *unaligned, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64, cp_async=True)
     with pytest.raises(ValueError, match="block_n"):
-        ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 32, None)
+        ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 32)
 
 
 def test_kernel_noncontiguous_query_and_fresh_output():
@@ -379,6 +397,9 @@ def test_kernels_compile_for_h200():
     specs.append((_decode_attention_fma_kernel, gluon_ptrs, gluon_consts, dict(num_warps=1)))
     specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, SPLIT=False),
                   dict(num_warps=1, maxnreg=168)))
+    aligned = [a for a in _decode_attention_fma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
+    specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, ASYNC=True),
+                  dict(num_warps=1, maxnreg=168, aligned=aligned)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

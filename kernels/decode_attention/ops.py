@@ -8,7 +8,7 @@ import torch
 
 from . import common as C
 from .kernel import _decode_attention_kernel
-from .ops_fma import FMA_BLOCK_N, FMA_MAXNREG, fma_by_default, fma_eligible, launch_fma
+from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
 
 _OP = "decode_attention"
 
@@ -108,6 +108,7 @@ def decode_attention(
     swap_ab: bool | None = None,
     fma: bool | None = None,
     maxnreg: int | None = None,
+    cp_async: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -121,7 +122,9 @@ def decode_attention(
     transposed products of kernel_swap.py, whose dequantized tiles never leave registers), fma (2-bit keys and
     values, one query head per KV head, head_dim 128, on a GPU: the Gluon FMA kernel of kernel_gluon.py; of the
     other knobs only num_splits and block_n (64 or 128) apply to it), maxnreg (the FMA kernel's register cap per
-    thread, which sets how many of its one-warp programs an SM holds).
+    thread, which sets how many of its one-warp programs an SM holds), cp_async (the FMA kernel copies the next
+    block's words and the next ring chunk into shared memory while it computes the current one; default: where
+    the caches' strides allow it).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -146,7 +149,7 @@ def decode_attention(
                              f"page_size={page_size}, group_size={group_size}, device={q.device}")
         return launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                            seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          FMA_BLOCK_N if block_n is None else block_n, FMA_MAXNREG if maxnreg is None else maxnreg)
+                          FMA_BLOCK_N if block_n is None else block_n, maxnreg, cp_async)
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)

@@ -1,7 +1,7 @@
 """Launcher of the Gluon FMA decode-attention kernel (kernel_gluon.py): 2-bit MHA caches, on a GPU.
 
 ops.decode_attention calls launch_fma by default where fma_eligible holds and the call is large enough
-(FMA_MIN_WORK); the measurements behind the constants are in benchmarks/results/kernel_notes.md, version 11.
+(FMA_MIN_WORK); the measurements behind the constants are in benchmarks/results/kernel_notes.md, versions 11 and 12.
 """
 
 from __future__ import annotations
@@ -19,11 +19,16 @@ except ImportError:  # pragma: no cover - older triton
 
 _OP = "decode_attention"
 
-# The Gluon FMA kernel (kernels-20261129-h200-sweep-fma-regs.json): 64-token steps capped at 128 registers (16
-# one-warp programs per SM, a few spills) beat 128-token steps at the compiler's 255 by 1.2-1.4x
+# The Gluon FMA kernel. With cp.async stages (kernels-20261129-h200-sweep-async.json, kernel_notes.md version
+# 12): 64-token steps, 168 registers (12 one-warp programs per SM, no spills), split counts aimed at 48
+# programs per SM: 1.10-1.20x over the plain loop's best. The plain loop (strides that are not 16-byte
+# aligned) keeps version 11's 128-register cap and 32 programs per SM
 FMA_BLOCK_N = 64  # tokens per step
-FMA_MAXNREG = 128  # register cap per thread
-FMA_PER_SM = 32  # programs per SM its split count aims for
+FMA_CP_ASYNC = True  # next block's words and next ring chunk through two shared-memory stages (cp.async)
+FMA_MAXNREG = 168  # register cap per thread with cp.async
+FMA_PER_SM = 48  # programs per SM its split count aims for with cp.async
+FMA_MAXNREG_PLAIN = 128
+FMA_PER_SM_PLAIN = 32
 # below this many (KV row x token) pairs per call the tensor-core table measured faster (kernels-20261129-h200-
 # fma64.json: 17.6 vs 7.7 us at B=1, L=512, 28 vs 22 us at B=1, L=4,096, 23 vs 21 us at B=8, L=512; the FMA
 # kernel is 1.24-2.2x faster from B=1, L=32,768, B=8, L=4,096 and B=64, L=512 up). Counted with max_tokens,
@@ -41,6 +46,14 @@ def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, res
             and 16 <= group_size <= 128 and residual_length % 32 == 0)
 
 
+def cp_async_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether cp.async can move 16-byte pieces of these caches: 16-byte aligned data and outer strides (dims
+    0 and 1: pages or slots, heads) that are multiples of 16 elements, as Triton's launcher specializes them
+    (the compiler then knows every copy's alignment); rows of whole 16-byte pieces."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
+               and t.stride(2) * t.element_size() % 16 == 0 and t.stride(3) == 1 for t in tensors)
+
+
 def fma_by_default(rows: int, max_tokens: int, eligible: bool) -> bool:
     """The launcher's default: the FMA kernel for eligible calls of at least FMA_MIN_WORK (KV row x token)
     pairs; rows = batch * KV heads, max_tokens = the block table's capacity plus the residual ring."""
@@ -48,17 +61,26 @@ def fma_by_default(rows: int, max_tokens: int, eligible: bool) -> bool:
 
 
 def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
-                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n,
-                maxnreg) -> torch.Tensor:
-    """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge."""
+                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n=FMA_BLOCK_N,
+                maxnreg=None, cp_async=None) -> torch.Tensor:
+    """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. cp_async None:
+    where the caches allow it (cp_async_aligned); maxnreg None: the chosen loop's cap."""
     batch, heads, _ = q.shape
     C.check_int(_OP, "block_n", block_n, (64, 128))
+    aligned = cp_async_aligned(k_codes, k_scale, k_zero, v_codes, k_res, v_res)
+    if cp_async and not aligned:
+        raise ValueError(f"{_OP}: cp_async needs 16-byte aligned caches with outer strides that are multiples "
+                         f"of 16 elements; got k_codes strides {k_codes.stride()}, k_scale {k_scale.stride()}, "
+                         f"v_codes {v_codes.stride()}, k_res {k_res.stride()}")
+    cp_async = FMA_CP_ASYNC and aligned if cp_async is None else bool(cp_async)
+    if maxnreg is None:
+        maxnreg = FMA_MAXNREG if cp_async else FMA_MAXNREG_PLAIN
     if page_size % block_n:
         raise ValueError(f"{_OP}: the fma kernel's block_n={block_n} must divide page_size={page_size}")
-    if maxnreg is not None:
-        C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
+    C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
     if num_splits is None:
-        num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=FMA_PER_SM,
+        per_sm = FMA_PER_SM if cp_async else FMA_PER_SM_PLAIN
+        num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=per_sm,
                                          max_splits=C.ONE_WARP_MAX_SPLITS)
     C.check_int(_OP, "num_splits", num_splits)
     o, lse, o_strides, workspace = C.output_args(out, num_splits)
@@ -67,7 +89,7 @@ def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
         **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
         GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, BLOCK_N=block_n,
-        num_warps=1, **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        ASYNC=cp_async, num_warps=1, maxnreg=maxnreg,
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)
