@@ -42,9 +42,9 @@ def _decode_attention_fma_kernel(
 ):
     """grid (B, H, num_splits): query head h of row b against KV head h (Hq == H), one split of the keys.
 
-    Key blocks of one row: the packed tokens [0, nq) in BLOCK_N-token steps through the block table, then the
-    ring slots [0, min(L, R)) in 128-slot steps; a split owns a contiguous range of those blocks (as in
-    kernel.py). Output: acc / l in o_ptr's dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp.
+    Work of one row: the packed tokens [0, nq) in BLOCK_N-token steps through the block table, then the ring
+    slots [0, min(L, R)) in 32-slot steps; a split owns a contiguous range of work units (stage 0). Output:
+    acc / l in o_ptr's dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp.
     """
     gl.static_assert(PAGE % BLOCK_N == 0 and (BLOCK_N == 64 or BLOCK_N == 128))
     gl.static_assert(RESIDUAL % 32 == 0)
@@ -64,11 +64,14 @@ def _decode_attention_fma_kernel(
     slot = gl.load(slots_ptr + b).to(gl.int64)
     nq = gl.cdiv(gl.maximum(seq_len - RESIDUAL, 0), GROUP) * GROUP
     n_res = seq_len - nq
+    # splits share work units: the packed blocks, then the ring as one unit per BLOCK_N / 4 slots (its fp16
+    # bytes per slot are ~5x a packed token's); the split holding the ring's first unit reads the whole ring
     n_packed = gl.cdiv(nq, BLOCK_N)
-    n_blocks = n_packed + gl.cdiv(gl.minimum(seq_len, RESIDUAL), 128)
-    per_split = gl.cdiv(n_blocks, num_splits)
+    n_ring = gl.minimum(seq_len, RESIDUAL)
+    n_units = n_packed + gl.cdiv(n_ring, BLOCK_N // 4)
+    per_split = gl.cdiv(n_units, num_splits)
     lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_blocks)
+    hi = gl.minimum(lo + per_split, n_units)
     # stage 1: the query, scaled into the log2 domain, in the key tiles' and the ring's layouts
     q_row = q_ptr + b * stride_q_b + h * stride_q_h
     offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, gl.SliceLayout(2, LK)))
@@ -101,7 +104,8 @@ def _decode_attention_fma_kernel(
     # stage 3: the full-precision ring (ring order never matters), 32 slots at a time
     res = slot * stride_res_s + h * stride_res_h
     nq_mod = nq % RESIDUAL
-    for blk in range(gl.maximum(lo, n_packed) - n_packed, hi - n_packed):
+    has_ring = (lo <= n_packed) & (n_packed < hi)
+    for blk in range(0, gl.where(has_ring, gl.cdiv(n_ring, 128), 0)):
         for sub in gl.static_range(128 // 32):
             m_i, l_i, acc_lo, acc_hi = _ring_block(q_lo, q_hi, kr_ptr + res, vr_ptr + res, blk * 128 + sub * 32,
                                                    nq_mod, n_res, m_i, l_i, acc_lo, acc_hi, stride_res_t, RESIDUAL)
