@@ -1,0 +1,94 @@
+"""GPU time against host time per decode step of the engine with CUDA graphs (issue 3): how much of a step
+the GPU sits idle while the host handles the previous step's tokens.
+
+On the H200:
+
+    python benchmarks/step_gap.py --out $OUT/step_gap.json
+
+Builds the Llama-2-7B shape (random bf16 weights) under a memory cap, prefills `--prompts` prompts of
+`--prompt-len` tokens at once, then records a CUDA event before and after each decode step (graph replay and
+logits). Reports medians over the steps at full batch: GPU ms per step, host ms between step starts and GPU
+idle ms between steps. Prints one JSON object last. `--cpu-smoke` runs a tiny model on the CPU (no events:
+only checks that the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+
+import torch  # noqa: E402
+from common import env_header, write_json  # noqa: E402
+from engine_setup import MODELS, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
+from engine_systems import engine_config  # noqa: E402
+from profile_step import TINY  # noqa: E402
+
+
+def measure(model, system: str, n: int, prompt_len: int, new_tokens: int, cap_gib: float, cuda: bool) -> dict:
+    from pipeline.actors.engine import LLMEngine, Request, SamplingParams
+
+    prompts = make_prompts("b", (prompt_len, new_tokens), n, 0, model.config.vocab_size)
+    engine = LLMEngine(model, StubTokenizer(), engine_config(system, memory_limit_gib=cap_gib if cuda else None,
+                                                             max_batch_size=256, cuda_graphs=cuda))
+    engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=3))])  # builds the runner
+    runner, decode, marks = engine.runner, engine.runner.decode, []
+
+    def timed_decode(tokens, positions, slots):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+        t0 = time.perf_counter()
+        if cuda:
+            start.record()
+        logits = decode(tokens, positions, slots)
+        if cuda:
+            end.record()
+        marks.append((t0, start, end, len(tokens)))
+        return logits
+
+    runner.decode = timed_decode
+    try:
+        engine.generate([Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens))
+                         for i, p in enumerate(prompts)])
+    finally:
+        runner.decode = decode
+    full = [m for m in marks if m[3] == n][2:]  # steps at full batch, the first two left out (warm-up)
+    pairs = list(zip(full[:-1], full[1:], strict=True))  # consecutive steps
+    out = dict(system=system, sequences=n, steps=len(full),
+               host_ms_between_steps=statistics.median((b[0] - a[0]) * 1e3 for a, b in pairs))
+    if cuda:
+        torch.cuda.synchronize()
+        out["gpu_ms_per_step"] = statistics.median(m[1].elapsed_time(m[2]) for m in full)
+        out["gpu_idle_ms_between_steps"] = statistics.median(a[2].elapsed_time(b[1]) for a, b in pairs)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--system", default="engine-kivi-2")
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--cap-gib", type=float, default=40.0)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU (reference kernels)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cuda = not args.cpu_smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        set_cap(args.cap_gib, device)
+    model = build_model(MODELS["llama2-7b"] if cuda else TINY, device)
+    n, prompt_len, new = (args.prompts, args.prompt_len, args.new_tokens) if cuda else (4, 16, 8)
+    result = measure(model, args.system, n, prompt_len, new, args.cap_gib, cuda)
+    report = dict(header=env_header(device), args=vars(args), result=result)
+    if args.out:
+        write_json(args.out, report)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
