@@ -187,6 +187,10 @@ def plan(name: str):
         out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, cp_async=False, maxnreg=128, num_splits=128))]
                     + [("new", 2, dict(fma=True, cp_async=True, num_splits=s)) for s in (128, 192)]))
         return out
+    if name == "small":  # small MHA calls: the tensor-core table (the default below FMA_MIN_WORK) against FMA
+        return [((B, L, 32, 32), [("new", 2, {}), ("new", 2, dict(fma=True))])
+                for B, L in [(1, 512), (1, 2048), (1, 4096), (1, 16384), (2, 4096), (4, 2048), (8, 512), (8, 1024),
+                             (16, 512), (32, 512)]]
     raise SystemExit(f"unknown plan {name}")
 
 

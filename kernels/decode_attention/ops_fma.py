@@ -29,12 +29,13 @@ FMA_MAXNREG = 168  # register cap per thread with cp.async
 FMA_PER_SM = 48  # programs per SM its split count aims for with cp.async
 FMA_MAXNREG_PLAIN = 128
 FMA_PER_SM_PLAIN = 32
-# below this many (KV row x token) pairs per call the tensor-core table measured faster (kernels-20261129-h200-
-# fma64.json: 17.6 vs 7.7 us at B=1, L=512, 28 vs 22 us at B=1, L=4,096, 23 vs 21 us at B=8, L=512; the FMA
-# kernel is 1.24-2.2x faster from B=1, L=32,768, B=8, L=4,096 and B=64, L=512 up). Counted with max_tokens,
-# the block table's capacity: that bench's tables are padded to 16 pages, so B=8, L=512 counts 256 x 2,176
-# = 557k pairs and B=1, L=32,768 counts 1.05M
-FMA_MIN_WORK = 1 << 20
+# below this many (KV row x token) pairs per call the tensor-core table measured faster (version 12,
+# kernels-20261129-h200-sweep-small.json, 32/32 heads: 7.8 vs 14.2 us at B=1, L=512, 15.9 vs 23.5 at B=1,
+# L=2,048, 22.2 vs 24.4 at B=1, L=4,096: a few long one-warp programs); the FMA kernel is faster from B=2,
+# L=4,096 (29 vs 38 us), B=4, L=2,048, B=8, L=512 (18 vs 25 us) and B=1, L=16,384 up. Counted with max_tokens,
+# the block table's capacity: that bench's tables are padded to 16 pages, so B=1, L=4,096 counts 32 x 4,224 =
+# 135k pairs and B=2, L=4,096 270k
+FMA_MIN_WORK = 1 << 18
 
 
 def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, residual_length: int,
