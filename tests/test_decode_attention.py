@@ -308,11 +308,11 @@ def test_fma_launcher_passes_every_kernel_argument(monkeypatch):
     assert kw["BLOCK_N"] == 64 and kw["num_warps"] == 1 and kw["SPLIT"] is False
     assert kw["ASYNC"] is True and kw["maxnreg"] == ops_fma.FMA_MAXNREG  # aligned caches take the cp.async loop
     assert pos[0] is q and pos[12] is out
-    # a ring that is not 16-byte aligned takes the plain loop by default and is refused for cp.async
-    shifted = [a.flatten() for a in args[6:8]]
-    shifted = [torch.cat([a[:1], a]).narrow(0, 1, a.numel()).view(args[6].shape) for a in shifted]
-    assert shifted[0].data_ptr() % 16 and shifted[0].stride() == args[6].stride()
-    unaligned = args[:6] + shifted + args[8:]
+    # value codes that are not 16-byte aligned take the plain loop by default and are refused for cp.async
+    v_codes = args[3].flatten()
+    shifted = torch.cat([v_codes[:1], v_codes]).narrow(0, 1, v_codes.numel()).view(args[3].shape)
+    assert shifted.data_ptr() % 16 and shifted.stride() == args[3].stride()
+    unaligned = args[:3] + [shifted] + args[4:]
     ops_fma.launch_fma(q, *unaligned, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64)
     assert calls[1][2]["ASYNC"] is False and calls[1][2]["maxnreg"] == ops_fma.FMA_MAXNREG_PLAIN
     with pytest.raises(ValueError, match="cp_async"):

@@ -12,6 +12,7 @@ from .kernel_gluon_step import _block_load, _packed_step, _value_scales
 # cp.async from global to shared memory: async_copy_global_to_shared in triton 3.6, async_load from 3.7 on
 _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 
+
 @gluon.jit
 def _load_packed(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk, n_end, nq,
                  stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h,
@@ -50,8 +51,7 @@ def _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, stage, kc_ptr, ks_ptr, kz_p
     # key words and their groups' scales
     offs_kw = gl.arange(0, K_WORDS, layout=gl.SliceLayout(1, CK))
     offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, CK))
-    _async_load(kw_smem.index(stage),
-                                   kc_ptr + (off // 16 + offs_kw)[:, None] * stride_kc_w + offs_c[None, :])
+    _async_load(kw_smem.index(stage), kc_ptr + (off // 16 + offs_kw)[:, None] * stride_kc_w + offs_c[None, :])
     offs_sw = gl.arange(0, K_WORDS, layout=gl.SliceLayout(1, CS))
     offs_sc = gl.arange(0, 128, layout=gl.SliceLayout(0, CS))
     g_offs = ((off + offs_sw * 16) // GROUP)[:, None] * stride_ks_g + offs_sc[None, :]

@@ -123,8 +123,8 @@ def decode_attention(
     values, one query head per KV head, head_dim 128, on a GPU: the Gluon FMA kernel of kernel_gluon.py; of the
     other knobs only num_splits and block_n (64 or 128) apply to it), maxnreg (the FMA kernel's register cap per
     thread, which sets how many of its one-warp programs an SM holds), cp_async (the FMA kernel copies the next
-    block's words and the next ring chunk into shared memory while it computes the current one; default: where
-    the caches' strides allow it).
+    packed block's words into shared memory while it computes the current one; default: where the page
+    tensors' strides allow it).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,

@@ -24,7 +24,7 @@ _OP = "decode_attention"
 # programs per SM: 1.10-1.20x over the plain loop's best. The plain loop (strides that are not 16-byte
 # aligned) keeps version 11's 128-register cap and 32 programs per SM
 FMA_BLOCK_N = 64  # tokens per step
-FMA_CP_ASYNC = True  # next block's words and next ring chunk through two shared-memory stages (cp.async)
+FMA_CP_ASYNC = True  # the next packed block's words through two shared-memory stages (cp.async)
 FMA_MAXNREG = 168  # register cap per thread with cp.async
 FMA_PER_SM = 48  # programs per SM its split count aims for with cp.async
 FMA_MAXNREG_PLAIN = 128
@@ -48,9 +48,9 @@ def fma_eligible(q: torch.Tensor, k_bits: int, v_bits: int, group_size: int, res
 
 
 def cp_async_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether cp.async can move 16-byte pieces of these caches: 16-byte aligned data and outer strides (dims
-    0 and 1: pages or slots, heads) that are multiples of 16 elements, as Triton's launcher specializes them
-    (the compiler then knows every copy's alignment); rows of whole 16-byte pieces."""
+    """Whether cp.async can move 16-byte pieces of these page tensors: 16-byte aligned data and outer strides
+    (dims 0 and 1: pages, heads) that are multiples of 16 elements, as Triton's launcher specializes them (the
+    compiler then knows every copy's alignment); rows of whole 16-byte pieces."""
     return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
                and t.stride(2) * t.element_size() % 16 == 0 and t.stride(3) == 1 for t in tensors)
 
@@ -68,11 +68,11 @@ def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     where the caches allow it (cp_async_aligned); maxnreg None: the chosen loop's cap."""
     batch, heads, _ = q.shape
     C.check_int(_OP, "block_n", block_n, (64, 128))
-    aligned = cp_async_aligned(k_codes, k_scale, k_zero, v_codes, k_res, v_res)
+    aligned = cp_async_aligned(k_codes, k_scale, k_zero, v_codes)
     if cp_async and not aligned:
-        raise ValueError(f"{_OP}: cp_async needs 16-byte aligned caches with outer strides that are multiples "
-                         f"of 16 elements; got k_codes strides {k_codes.stride()}, k_scale {k_scale.stride()}, "
-                         f"v_codes {v_codes.stride()}, k_res {k_res.stride()}")
+        raise ValueError(f"{_OP}: cp_async needs 16-byte aligned page tensors with outer strides that are "
+                         f"multiples of 16 elements; got k_codes strides {k_codes.stride()}, k_scale "
+                         f"{k_scale.stride()}, v_codes {v_codes.stride()}")
     cp_async = FMA_CP_ASYNC and aligned if cp_async is None else bool(cp_async)
     if maxnreg is None:
         maxnreg = FMA_MAXNREG if cp_async else FMA_MAXNREG_PLAIN
