@@ -38,13 +38,19 @@ def _page_of(bt_row, blk, n_end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, off,
+def _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, bt_row, h, blk, n_end,
+                 stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h,
                  stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr, GROUP: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """cp.async of one packed block (pointers at its page and head, tokens [off, off + BLOCK_N)) into stage
-    `stage`: key words [K_WORDS, 128], key scales and zeros [K_WORDS, 128] (each word's group), value words
-    [8 j, NI, 8 w] of tokens 16 i + 8 a + j for each half a (buffers 2 stage + a); 16-byte copies; one commit group."""
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """cp.async of packed block blk (_page_of; KV head h) into stage `stage`: key words [K_WORDS, 128], key
+    scales and zeros [K_WORDS, 128] (each word's group), value words [8 j, NI, 8 w] of tokens 16 i + 8 a + j for
+    each half a (buffers 2 stage + a); 16-byte copies; one commit group."""
     K_WORDS: gl.constexpr = BLOCK_N // 16
+    page, off = _page_of(bt_row, blk, n_end, PAGE, BLOCK_N)
+    kc_ptr = kc_ptr + page * stride_kc_n + h * stride_kc_h
+    ks_ptr = ks_ptr + page * stride_ks_n + h * stride_ks_h
+    kz_ptr = kz_ptr + page * stride_ks_n + h * stride_ks_h
+    vc_ptr = vc_ptr + page * stride_vc_n + h * stride_vc_h
     CK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
     CS: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
     CV: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 2, 2], [1, 1, 1], [2, 1, 0])
@@ -86,20 +92,14 @@ def _packed_loop_async(q_c, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_r
     ks_smem = gl.allocate_shared_memory(ks_ptr.dtype.element_ty, [2, K_WORDS, 128], SH3)
     kz_smem = gl.allocate_shared_memory(kz_ptr.dtype.element_ty, [2, K_WORDS, 128], SH3)
     vw_smem = gl.allocate_shared_memory(gl.int32, [4, 8, K_WORDS, 8], SH4)  # [2 stage + a, j, i, w]
-    page, off = _page_of(bt_row, lo, n_end, PAGE, BLOCK_N)
-    _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, 0, kc_ptr + page * stride_kc_n + h * stride_kc_h,
-                 ks_ptr + page * stride_ks_n + h * stride_ks_h, kz_ptr + page * stride_ks_n + h * stride_ks_h,
-                 vc_ptr + page * stride_vc_n + h * stride_vc_h, off, stride_kc_w, stride_ks_g, stride_vc_t,
-                 GROUP, BLOCK_N)
+    _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, 0, kc_ptr, ks_ptr, kz_ptr, vc_ptr, bt_row, h, lo, n_end,
+                 stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_kc_w,
+                 stride_ks_g, stride_vc_t, GROUP, PAGE, BLOCK_N)
     for blk in range(lo, n_end):
         stage = (blk - lo) % 2
-        nxt_page, nxt_off = _page_of(bt_row, blk + 1, n_end, PAGE, BLOCK_N)
-        _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, 1 - stage,
-                     kc_ptr + nxt_page * stride_kc_n + h * stride_kc_h,
-                     ks_ptr + nxt_page * stride_ks_n + h * stride_ks_h,
-                     kz_ptr + nxt_page * stride_ks_n + h * stride_ks_h,
-                     vc_ptr + nxt_page * stride_vc_n + h * stride_vc_h, nxt_off, stride_kc_w, stride_ks_g,
-                     stride_vc_t, GROUP, BLOCK_N)
+        _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, 1 - stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, bt_row, h,
+                     blk + 1, n_end, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h,
+                     stride_kc_w, stride_ks_g, stride_vc_t, GROUP, PAGE, BLOCK_N)
         n_valid = nq - blk * BLOCK_N
         page, off = _page_of(bt_row, blk, n_end, PAGE, BLOCK_N)
         vs_row = page * stride_vs_n + h * stride_vs_h

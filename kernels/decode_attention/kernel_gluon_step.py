@@ -128,29 +128,6 @@ def _packed_step(q_c, k_words, k_mult, k_off, v0_words, v0_mult, v0_off, v1_word
 
 
 @gluon.jit
-def _ring_scores(q_lo, q_hi, k_lo, k_hi, valid, m_i, l_i):
-    """Online-softmax scores of ring slots: fp32 key tiles [T, 8 w, 8 c] of channels 16 w + c (lo) and
-    16 w + 8 + c (hi), q_lo / q_hi [8, 8] in the tiles' slice layout, valid [T]. Returns (m_new, l_i, alpha,
-    p [T, 1, 1])."""
-    s = gl.sum(gl.sum(k_lo * q_lo[None, :, :] + k_hi * q_hi[None, :, :], axis=2), axis=1)
-    s = gl.where(valid, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe)
-    return m_new, l_i * alpha + gl.sum(p, axis=0), alpha, p[:, None, None]
-
-
-@gluon.jit
-def _ring_values(p, alpha, v_lo, v_hi, acc_lo, acc_hi):
-    """acc * alpha + p @ v for value tiles laid out as _ring_scores' key tiles (invalid slots' values must be
-    finite: the caller zeroes them)."""
-    acc_lo = acc_lo * alpha + gl.convert_layout(gl.sum(p * v_lo, axis=0), acc_lo.type.layout)
-    acc_hi = acc_hi * alpha + gl.convert_layout(gl.sum(p * v_hi, axis=0), acc_hi.type.layout)
-    return acc_lo, acc_hi
-
-
-@gluon.jit
 def _ring_block(q_lo, q_hi, kr_ptr, vr_ptr, start, nq_mod, n_res, m_i, l_i, acc_lo, acc_hi,
                 stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr):
     """One online-softmax step over ring slots [start, start + 32) (pointers at the row's slot and head)."""
@@ -164,8 +141,16 @@ def _ring_block(q_lo, q_hi, kr_ptr, vr_ptr, start, nq_mod, n_res, m_i, l_i, acc_
     mask = valid[:, None, None] & (chan < 128)[None, :, :]
     k_lo = gl.load(kr_ptr + ptrs, mask=mask, other=0.0).to(gl.float32)
     k_hi = gl.load(kr_ptr + ptrs + 8, mask=mask, other=0.0).to(gl.float32)
-    m_new, l_i, alpha, p = _ring_scores(q_lo, q_hi, k_lo, k_hi, valid, m_i, l_i)
-    v_lo = gl.load(vr_ptr + ptrs, mask=mask, other=0.0).to(gl.float32)
-    v_hi = gl.load(vr_ptr + ptrs + 8, mask=mask, other=0.0).to(gl.float32)
-    acc_lo, acc_hi = _ring_values(p, alpha, v_lo, v_hi, acc_lo, acc_hi)
+    s = gl.sum(gl.sum(k_lo * q_lo[None, :, :] + k_hi * q_hi[None, :, :], axis=2), axis=1)
+    s = gl.where(valid, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe)
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    p = p[:, None, None]
+    o_lo = gl.sum(p * gl.load(vr_ptr + ptrs, mask=mask, other=0.0).to(gl.float32), axis=0)
+    o_hi = gl.sum(p * gl.load(vr_ptr + ptrs + 8, mask=mask, other=0.0).to(gl.float32), axis=0)
+    acc_lo = acc_lo * alpha + gl.convert_layout(o_lo, acc_lo.type.layout)
+    acc_hi = acc_hi * alpha + gl.convert_layout(o_hi, acc_hi.type.layout)
     return m_new, l_i, acc_lo, acc_hi
