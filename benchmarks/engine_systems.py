@@ -191,7 +191,8 @@ class RunnerProbe:
 
 @contextmanager
 def instrumented_runner(probe: RunnerProbe):
-    """Wrap ModelRunner.prefill/decode (class-level, restored on exit) to feed `probe`."""
+    """Wrap ModelRunner.prefill/decode (class-level, restored on exit) to feed `probe` (on_prefill, on_decode
+    before each call; after_decode, if the probe has it, after each decode)."""
     from pipeline.actors.engine import model_runner
 
     cls = model_runner.ModelRunner
@@ -203,7 +204,10 @@ def instrumented_runner(probe: RunnerProbe):
 
     def decode(self, *args, **kwargs):
         probe.on_decode(args[1] if len(args) > 1 else kwargs["positions"])
-        return orig_decode(self, *args, **kwargs)
+        logits = orig_decode(self, *args, **kwargs)
+        if hasattr(probe, "after_decode"):
+            probe.after_decode()
+        return logits
 
     cls.prefill, cls.decode = prefill, decode
     try:

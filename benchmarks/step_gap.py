@@ -26,8 +26,29 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 from common import env_header, write_json  # noqa: E402
 from engine_setup import MODELS, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
-from engine_systems import engine_config  # noqa: E402
+from engine_systems import engine_config, instrumented_runner  # noqa: E402
 from profile_step import TINY  # noqa: E402
+
+
+class StepProbe:
+    """For engine_systems.instrumented_runner: host time and CUDA events around each decode step."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.marks = cuda, []  # (host start, start event, end event, batch)
+
+    def on_prefill(self, prompts) -> None:
+        pass
+
+    def on_decode(self, positions) -> None:
+        start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        self.marks.append([time.perf_counter(), start, None, len(positions)])
+        if start is not None:
+            start.record()
+
+    def after_decode(self) -> None:
+        if self.cuda:
+            self.marks[-1][2] = torch.cuda.Event(enable_timing=True)
+            self.marks[-1][2].record()
 
 
 def measure(model, system: str, n: int, prompt_len: int, new_tokens: int, cap_gib: float, cuda: bool) -> dict:
@@ -37,26 +58,11 @@ def measure(model, system: str, n: int, prompt_len: int, new_tokens: int, cap_gi
     engine = LLMEngine(model, StubTokenizer(), engine_config(system, memory_limit_gib=cap_gib if cuda else None,
                                                              max_batch_size=256, cuda_graphs=cuda))
     engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=3))])  # builds the runner
-    runner, decode, marks = engine.runner, engine.runner.decode, []
-
-    def timed_decode(tokens, positions, slots):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
-        t0 = time.perf_counter()
-        if cuda:
-            start.record()
-        logits = decode(tokens, positions, slots)
-        if cuda:
-            end.record()
-        marks.append((t0, start, end, len(tokens)))
-        return logits
-
-    runner.decode = timed_decode
-    try:
+    probe = StepProbe(cuda)
+    with instrumented_runner(probe):
         engine.generate([Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens))
                          for i, p in enumerate(prompts)])
-    finally:
-        runner.decode = decode
-    full = [m for m in marks if m[3] == n][2:]  # steps at full batch, the first two left out (warm-up)
+    full = [m for m in probe.marks if m[3] == n][2:]  # steps at full batch, the first two left out (warm-up)
     pairs = list(zip(full[:-1], full[1:], strict=True))  # consecutive steps
     out = dict(system=system, sequences=n, steps=len(full),
                host_ms_between_steps=statistics.median((b[0] - a[0]) * 1e3 for a, b in pairs))
