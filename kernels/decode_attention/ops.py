@@ -137,12 +137,12 @@ def decode_attention(
         return out
 
     max_tokens = block_table.shape[1] * page_size + residual_length
-    eligible = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
+    fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab))
-        fma = not tuned and fma_by_default(batch * kv_heads, max_tokens, eligible)
+        fma = not tuned and fma_by_default(batch * kv_heads, max_tokens, fma_ok)
     if fma:
-        if not eligible:
+        if not fma_ok:
             raise ValueError(f"{_OP}: fma needs a CUDA device (no interpreter), 2-bit keys and values, one query "
                              f"head per KV head, head_dim 128 and pages of whole 128-token blocks; got "
                              f"k_bits={k_bits}, v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, "
