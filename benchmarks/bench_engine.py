@@ -212,6 +212,7 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch", type=int, default=0, help="force the hf systems' static batch size "
                    "(default 0: the largest that fits, from bytes)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs=False")
+    p.add_argument("--no-fused-layers", action="store_true", help="EngineConfig.fused_layers=False")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="first device run: workloads b,e at 40 GiB on llama2-7b, "
                    "all systems, modest prompt counts, ~6 minutes")
@@ -228,6 +229,7 @@ class Context:
     budget_end: float
     engine_max_batch: int
     cuda_graphs: bool
+    fused_layers: bool = True
     cpu_batch: int = 4
     hf_batch: int = 0  # force the static batch size (0: from bytes)
     cpu_cache_gib: float = 1.0
@@ -293,7 +295,8 @@ def main(argv=None) -> dict:
     ctx = Context(device=device, bandwidth=bw["gbs"] * 1e9, workloads=workloads, max_seconds=max_seconds,
                   budget_end=t_launch + budget if budget else float("inf"), engine_max_batch=(
                       min(args.engine_max_batch, 4) if smoke else args.engine_max_batch),
-                  cuda_graphs=not args.no_cuda_graphs, cpu_cache_gib=0.05 if smoke else 1.0,
+                  cuda_graphs=not args.no_cuda_graphs, fused_layers=not args.no_fused_layers,
+                  cpu_cache_gib=0.05 if smoke else 1.0,
                   kivi_kw=dict(SMOKE_KIVI) if smoke else {}, hf_batch=args.hf_batch)
     log(f"bench_engine on {header['gpu']}: torch {header['torch']}, transformers {header['transformers']}, "
         f"triton {header['triton']}; copy bandwidth {bw['gbs']:.0f} GB/s; results -> {out_path}")

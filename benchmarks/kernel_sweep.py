@@ -187,6 +187,14 @@ def plan(name: str):
         out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, cp_async=False, maxnreg=128, num_splits=128))]
                     + [("new", 2, dict(fma=True, cp_async=True, num_splits=s)) for s in (128, 192)]))
         return out
+    if name == "caps":  # register caps for the cp.async loop: 168 (12 warps/SM, the default), 152 (13), 144 (14)
+        def vs():
+            return [("new", 2, dict(fma=True, maxnreg=r, per_sm=p)) for r, p in
+                    [(168, 48), (152, 48), (152, 52), (144, 48), (144, 56)]]
+        out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1152), (256, 4096), (8, 32768)]]
+        out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, maxnreg=r, num_splits=128))
+                                          for r in (168, 152, 144)]))
+        return out
     if name == "small":  # small MHA calls: the tensor-core table (the default below FMA_MIN_WORK) against FMA
         return [((B, L, 32, 32), [("new", 2, {}), ("new", 2, dict(fma=True))])
                 for B, L in [(1, 512), (1, 2048), (1, 4096), (1, 16384), (2, 4096), (4, 2048), (8, 512), (8, 1024),

@@ -18,6 +18,8 @@ _OPS = {
     "paged_decode_attention": "kernels.paged_attention",
     "store_paged_prefill": "kernels.paged_attention",
     "store_paged_decode": "kernels.paged_attention",
+    "rms_norm": "kernels.rms_norm",
+    "apply_rotary": "kernels.rotary",
 }
 
 

@@ -281,3 +281,38 @@ def test_sampler_respects_top_k_top_p_and_greedy_rows():
     p_top = probs[1, 0] / probs[1, :5].sum()
     freq = (out[:, 1] == order[1, 0]).float().mean()
     assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5
+
+
+def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
+    """The engine's forwards run inside FusedLayers (on a GPU by default; forced here with the Triton kernels
+    under the interpreter): the kernels are called in prefill and decode, completions still equal generate()
+    with the same cache, and the model is unpatched again between and after calls."""
+    import kernels
+    from kivi.fused import FusedLayers
+
+    class CountingOps:
+        def __init__(self, ops):
+            self.ops, self.calls = ops, {"rms_norm": 0, "apply_rotary": 0}
+
+        def __getattr__(self, name):
+            fn = getattr(self.ops, name)
+
+            def counted(*args, **kwargs):
+                self.calls[name] += 1
+                return fn(*args, **kwargs)
+
+            return counted
+
+    ops = CountingOps(kernels.get_ops("triton"))
+    monkeypatch.setattr(LLMEngine, "_fused_layers", lambda self: FusedLayers(self.model, ops))
+    reqs = requests([7, 30, 12], [9, 4, 12], seed=5)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=2))
+    out = engine.generate(reqs)
+    layers = tiny.config.num_hidden_layers
+    assert ops.calls["apply_rotary"] >= layers * (engine.stats()["decode_steps"] + 2)  # 2+ prefills, each step
+    assert ops.calls["rms_norm"] == ops.calls["apply_rotary"] // layers * (2 * layers + 1)
+    assert all("forward" not in vars(m) for m in tiny.modules())
+    for req, comp in zip(reqs, out, strict=True):
+        expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
+                                    kivi.KiviCache(tiny.config, SMALL_KIVI))
+        assert comp.token_ids[: clear + 1] == expected[: clear + 1], f"{req.request_id} differs"

@@ -16,6 +16,7 @@ import torch
 import kernels
 from kivi.cache import resolve_backend
 from kivi.config import KiviConfig
+from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
 from kivi.models import kv_shape
 from kivi.storage import FullStorage, QuantizedStorage
 from pipeline.actors.engine.block_manager import BlockManager
@@ -41,6 +42,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
     cuda_graphs: bool = True
+    fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
     cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
 
     def __post_init__(self) -> None:
@@ -107,10 +109,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_prefill_tokens)
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
-                                  max_len=self.max_model_len)
+                                  max_len=self.max_model_len, layers=self._fused_layers())
         self.plan = plan
         self.build_s = time.perf_counter() - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
+
+    def _fused_layers(self) -> FusedLayers | None:
+        model_type = getattr(self.model.config, "model_type", None)
+        if not (self.config.fused_layers and self.device.type == "cuda"):
+            return None
+        if model_type not in FUSED_MODEL_TYPES:
+            log.info("no fused RMSNorm/rotary kernels for model_type %r: transformers' ops run", model_type)
+            return None
+        return FusedLayers(self.model, kernels.get_ops("triton"))
 
     # -- requests --------------------------------------------------------------------------
     def _check(self, request: Request) -> str | None:

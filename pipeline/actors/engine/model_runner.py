@@ -7,6 +7,7 @@ its token ids, positions, slots and lengths into those tensors and replays the b
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -24,8 +25,10 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool, max_len: int) -> None:
+    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool, max_len: int,
+                 layers: AbstractContextManager | None = None) -> None:
         self.max_len = max_len
+        self.layers = layers or nullcontext()  # open around every forward (kivi.fused.FusedLayers)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.cache = cache
@@ -42,7 +45,8 @@ class ModelRunner:
 
     def _forward(self, **inputs) -> torch.Tensor:
         inputs[self.cache_kwarg] = self.cache
-        return self.decoder(use_cache=True, **inputs).last_hidden_state
+        with self.layers:
+            return self.decoder(use_cache=True, **inputs).last_hidden_state
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], slots: list[int], chunk_tokens: int | None = None) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""Fused RMSNorm and rotary kernels inside a transformers model's forward (reversible, Liger-style patches).
+
+Inside `with FusedLayers(model, ops):` the model's RMSNorm modules run `ops.rms_norm` (one kernel instead of
+seven elementwise ones) and its modeling module's `apply_rotary_pos_emb` runs `ops.apply_rotary` (one kernel
+for the queries and keys of a layer instead of about twelve); on exit both are restored. The kernels round
+where transformers' ops round, so outputs match the unpatched model to the last bit or an ulp. Keyed by
+config.model_type; other types raise. The rotary patch is a module global: while the context is open it also
+applies to other models of the same type in this process. Calls the kernels do not take (another dtype for
+cos/sin, unsqueeze_dim != 1, a head_dim that is not a power of two) fall through to transformers' function.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from kernels import KernelOps
+
+# model_type -> (modeling module that defines apply_rotary_pos_emb, RMSNorm class name)
+FUSED_MODEL_TYPES = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+}
+
+
+def _rotary_takes(q, k, cos, sin, args, kwargs) -> bool:
+    """True when the call is the plain form the kernel implements (else transformers' function runs)."""
+    if args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1:
+        return False
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)) or q.dim() != 4 or k.dim() != 4:
+        return False
+    D = q.shape[-1]
+    return (cos.dtype == sin.dtype == q.dtype == k.dtype and D % 2 == 0 and D & (D - 1) == 0
+            and cos.shape == sin.shape == (q.shape[0], q.shape[2], D))
+
+
+class FusedLayers:
+    """Context manager: RMSNorm and rotary kernels of `ops` in `model`'s forward while it is open."""
+
+    def __init__(self, model: torch.nn.Module, ops: KernelOps) -> None:
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in FUSED_MODEL_TYPES:
+            raise ValueError(f"fused layers do not support model_type {model_type!r} "
+                             f"(supported: {tuple(FUSED_MODEL_TYPES)})")
+        module_name, norm_class = FUSED_MODEL_TYPES[model_type]
+        self.modeling = importlib.import_module(module_name)
+        self.norms = [m for m in model.modules() if type(m).__name__ == norm_class]
+        if not self.norms:
+            raise ValueError(f"no {norm_class} modules in this {model_type} model")
+        self.ops, self.depth, self.original_rotary = ops, 0, None
+
+    def _norm_forward(self, module: torch.nn.Module):
+        rms_norm, eps = self.ops.rms_norm, float(module.variance_epsilon)
+        return lambda hidden_states: rms_norm(hidden_states, module.weight, eps)
+
+    def _rotary(self, original):
+        apply_rotary = self.ops.apply_rotary
+
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            if _rotary_takes(q, k, cos, sin, args, kwargs):
+                return apply_rotary(q, k, cos, sin)
+            return original(q, k, cos, sin, *args, **kwargs)
+
+        return apply_rotary_pos_emb
+
+    def __enter__(self) -> FusedLayers:
+        self.depth += 1
+        if self.depth == 1:
+            for module in self.norms:
+                module.forward = self._norm_forward(module)  # an instance attribute shadows the class's
+            self.original_rotary = self.modeling.apply_rotary_pos_emb
+            self.modeling.apply_rotary_pos_emb = self._rotary(self.original_rotary)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            for module in self.norms:
+                del module.forward
+            self.modeling.apply_rotary_pos_emb = self.original_rotary
