@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -59,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+# as the job's actors set it (pipeline/actors/actor.py), before torch touches CUDA; every system gets it
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 from common import copy_bandwidth, env_header, log, write_json  # noqa: E402
@@ -280,8 +283,6 @@ def main(argv=None) -> dict:
     budget = args.budget_seconds or (480.0 if args.quick else 150.0 if smoke else None)
     out_path = args.out or ("/tmp/bench_engine_smoke.json" if smoke else None)
     if out_path is None:
-        import os
-
         out_dir = os.environ.get("OUT")
         out_path = (f"{out_dir}/bench_engine.json" if out_dir else
                     f"benchmarks/results/engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -289,7 +290,8 @@ def main(argv=None) -> dict:
     header = env_header(device)
     bw = copy_bandwidth(device, nbytes=(64 * 2**20 if smoke else 2 * GiB), iters=(5 if smoke else 10))
     header.update(copy_bandwidth_gbs=round(bw["gbs"], 1), copy_bandwidth_samples_gbs=bw["samples_gbs"],
-                  quanto_available=quanto_available(), argv=sys.argv[1:], models={m: models[m] for m in model_names},
+                  quanto_available=quanto_available(), argv=sys.argv[1:],
+                  alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), models={m: models[m] for m in model_names},
                   workloads={w: workloads[w] for w in wl_names}, num_prompts={w: num_prompts[w] for w in wl_names},
                   max_seconds=max_seconds, budget_seconds=budget, systems=systems, caps_gib=caps)
     ctx = Context(device=device, bandwidth=bw["gbs"] * 1e9, workloads=workloads, max_seconds=max_seconds,

@@ -364,6 +364,7 @@ def test_choose_num_splits():
 
 
 def test_kernels_compile_for_h200():
+    from kernels.decode_attention import ops_fma
     from tests.compile_util import compile_for_sm90_many
 
     common = dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, HEAD_DIM=128, BLOCK_N=64,
@@ -399,7 +400,7 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=168)))
     aligned = [a for a in _decode_attention_fma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
     specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, ASYNC=True),
-                  dict(num_warps=1, maxnreg=168, aligned=aligned)))
+                  dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))  # the default launch
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

@@ -20,12 +20,13 @@ except ImportError:  # pragma: no cover - older triton
 _OP = "decode_attention"
 
 # The Gluon FMA kernel. With cp.async stages (kernels-20261129-h200-sweep-async.json, kernel_notes.md version
-# 12): 64-token steps, 168 registers (12 one-warp programs per SM, no spills), split counts aimed at 48
-# programs per SM: 1.10-1.20x over the plain loop's best. The plain loop (strides that are not 16-byte
-# aligned) keeps version 11's 128-register cap and 32 programs per SM
+# 12): 64-token steps, split counts aimed at 48 programs per SM: 1.10-1.20x over the plain loop's best. A cap
+# of 144 registers (14 one-warp programs per SM, a few spilled bytes) measured 0-2% faster than 168 (12 per SM,
+# no spills) on every shape of kernels-20261129-h200-sweep-caps.json. The plain loop (strides that are not
+# 16-byte aligned) keeps version 11's 128-register cap and 32 programs per SM
 FMA_BLOCK_N = 64  # tokens per step
 FMA_CP_ASYNC = True  # the next packed block's words through two shared-memory stages (cp.async)
-FMA_MAXNREG = 168  # register cap per thread with cp.async
+FMA_MAXNREG = 144  # register cap per thread with cp.async
 FMA_PER_SM = 48  # programs per SM its split count aims for with cp.async
 FMA_MAXNREG_PLAIN = 128
 FMA_PER_SM_PLAIN = 32

@@ -19,6 +19,9 @@ EngineLoader = Callable[[JobConfig], tuple[Any, Any]]
 
 def load_engine(job: JobConfig) -> tuple[Any, Any]:
     """The real model through kivi.load and the KIVI engine around it."""
+    # Before the first CUDA allocation: segments that grow in place, so the prefill's activations of changing
+    # sizes do not fragment what the cache plan left free (a user's own setting wins)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     import kivi

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -86,12 +87,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         storage = self._storage()
         cfg = self.config
+        fused = self._fused_layers()
         layers, kv_heads, head_dim = kv_shape(self.model.config)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             limit = cfg.memory_limit_gib * 2**30 if cfg.memory_limit_gib else cfg.gpu_memory_utilization * total
             vocab = self.model.get_output_embeddings().weight.shape[0]
-            workspace = measure_workspace(self.model, cfg.max_prefill_tokens, vocab, cfg.max_batch_size)
+            with fused or nullcontext():  # the forwards will run fused: measure them so
+                workspace = measure_workspace(self.model, cfg.max_prefill_tokens, vocab, cfg.max_batch_size)
             used = torch.cuda.memory_allocated(self.device)
         else:
             limit, workspace, used = cfg.cpu_cache_gib * 2**30, 0, 0
@@ -109,7 +112,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_prefill_tokens)
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
-                                  max_len=self.max_model_len, layers=self._fused_layers())
+                                  max_len=self.max_model_len, layers=fused)
         self.plan = plan
         self.build_s = time.perf_counter() - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
