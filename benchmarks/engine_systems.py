@@ -191,29 +191,44 @@ class RunnerProbe:
 
 @contextmanager
 def instrumented_runner(probe: RunnerProbe):
-    """Wrap ModelRunner.prefill/decode (class-level, restored on exit) to feed `probe` (on_prefill, on_decode
-    before each call; after_decode, if the probe has it, after each decode)."""
+    """Wrap ModelRunner.prefill/decode/decode_next (class-level, restored on exit) to feed `probe` (on_prefill,
+    on_decode before each call, decode_next reported as a decode of the last rows one position on;
+    after_decode, if the probe has it, after each decode)."""
     from pipeline.actors.engine import model_runner
 
     cls = model_runner.ModelRunner
     orig_prefill, orig_decode = cls.prefill, cls.decode
+    orig_next = getattr(cls, "decode_next", None)
+    last = {"positions": []}
 
     def prefill(self, *args, **kwargs):
         probe.on_prefill(args[0] if args else kwargs["prompts"])
         return orig_prefill(self, *args, **kwargs)
 
-    def decode(self, *args, **kwargs):
-        probe.on_decode(args[1] if len(args) > 1 else kwargs["positions"])
-        logits = orig_decode(self, *args, **kwargs)
+    def stepped(positions, run):
+        probe.on_decode(positions)
+        last["positions"] = positions
+        logits = run()
         if hasattr(probe, "after_decode"):
             probe.after_decode()
         return logits
 
+    def decode(self, *args, **kwargs):
+        positions = list(args[1] if len(args) > 1 else kwargs["positions"])
+        return stepped(positions, lambda: orig_decode(self, *args, **kwargs))
+
+    def decode_next(self, tokens):
+        return stepped([p + 1 for p in last["positions"]], lambda: orig_next(self, tokens))
+
     cls.prefill, cls.decode = prefill, decode
+    if orig_next is not None:
+        cls.decode_next = decode_next
     try:
         yield probe
     finally:
         cls.prefill, cls.decode = orig_prefill, orig_decode
+        if orig_next is not None:
+            cls.decode_next = orig_next
 
 
 def build_engine(engine, requests) -> bool:
@@ -248,7 +263,7 @@ def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, d
     dev = ctx.device
     config = engine_config(system, ctx.kivi_kw, memory_limit_gib=cap_gib, max_batch_size=ctx.engine_max_batch,
                            cuda_graphs=ctx.cuda_graphs, fused_layers=getattr(ctx, "fused_layers", True),
-                           cpu_cache_gib=ctx.cpu_cache_gib)
+                           decode_ahead=getattr(ctx, "decode_ahead", True), cpu_cache_gib=ctx.cpu_cache_gib)
     tokenizer = StubTokenizer()
     engine = LLMEngine(model, tokenizer, config)
     requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]

@@ -316,3 +316,62 @@ def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
         expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
                                     kivi.KiviCache(tiny.config, SMALL_KIVI))
         assert comp.token_ids[: clear + 1] == expected[: clear + 1], f"{req.request_id} differs"
+
+
+def test_decode_ahead_drops_the_extra_token_of_rows_that_stop(tiny, monkeypatch):
+    """Greedy steps run one ahead of the host (decode_next from the device's tokens). Rows that hit EOS
+    mid-batch run one step too many: that token is dropped, the other rows and the requests admitted after
+    them are unchanged, and every completion is its EOS-free run cut at its first EOS."""
+    reqs = requests([9, 31, 14, 22, 5, 40], [25, 18, 30, 12, 28, 20], seed=11)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=3))
+    base = [c.token_ids for c in engine.generate(reqs)]
+    eos = next(t for t in base[2][3:] if t in base[0][2:] and t not in base[1])  # stops rows 0 and 2 early
+    ahead = {"calls": 0}
+    decode_next = engine.runner.decode_next
+
+    def counted(tokens):
+        ahead["calls"] += 1
+        runner, n = engine.runner, tokens.shape[0]
+        positions, lengths = runner.positions[:n, 0].clone(), runner.seq_lens[:n].clone()
+        logits = decode_next(tokens)  # the same rows, one position on, fed the tokens it was given
+        assert torch.equal(runner.positions[:n, 0], positions + 1) and torch.equal(runner.seq_lens[:n], lengths + 1)
+        assert torch.equal(runner.input_ids[:n, 0], tokens)
+        return logits
+
+    monkeypatch.setattr(engine.runner, "decode_next", counted)
+    engine.eos_ids = {eos}
+    engine.reset_stats()
+    out = engine.generate(reqs)
+    for tokens, comp in zip(base, out, strict=True):
+        expected = tokens[: tokens.index(eos)] if eos in tokens else tokens
+        assert comp.token_ids == expected
+        assert comp.finish_reason == ("stop" if eos in tokens else "length")
+    steps = engine.stats()["decode_steps"]
+    assert ahead["calls"] > steps // 2  # most steps were launched ahead of the host
+    synchronous = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=3, decode_ahead=False))
+    synchronous.eos_ids = {eos}
+    assert [c.token_ids for c in synchronous.generate(reqs)] == [c.token_ids for c in out]
+    assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs, pinned copies, async steps")
+@pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
+def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):
+    """On a GPU the ahead steps really overlap the host (non-blocking copies, graph replays fed from the
+    device): the tokens must equal synchronous steps' for every request, EOS mid-batch included."""
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=torch.bfloat16).cuda().eval()
+    model.generation_config.eos_token_id = None
+    cache = kivi.KiviConfig(backend="triton") if cache_kind == "kivi" else None
+    reqs = requests([150, 400, 33, 260, 90, 520, 70, 310], [60, 25, 80, 40, 70, 30, 90, 50], seed=2)
+    outs = {}
+    for ahead in (False, True):
+        engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=cache, max_batch_size=4, decode_ahead=ahead,
+                                                               memory_limit_gib=4.0))
+        base = [c.token_ids for c in engine.generate(reqs)]
+        engine.eos_ids = {base[0][20]}
+        outs[ahead] = (base, [(c.token_ids, c.finish_reason) for c in engine.generate(reqs)])
+    assert outs[True] == outs[False]
+    assert any(reason == "stop" for _, reason in outs[True][1])

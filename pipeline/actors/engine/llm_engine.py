@@ -44,6 +44,7 @@ class EngineConfig:
     page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
     cuda_graphs: bool = True
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
+    decode_ahead: bool = True  # greedy batches: launch step i+1 before the host reads step i's tokens
     cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
 
     def __post_init__(self) -> None:
@@ -180,22 +181,47 @@ class LLMEngine:
         self._sample_and_advance(batch, logits, results, t_start)
 
     def _decode(self, results, t_start: float) -> None:
+        """Decode steps for the running sequences. All greedy: while no row ends by length, step i+1 is
+        launched from step i's tokens on the device before the host reads them, so the host's bookkeeping
+        overlaps the GPU's next step. A row that stops early (end of sequence, a stop string) then runs one
+        step too many into its own reserved pages; that token is dropped."""
         running = list(self.scheduler.running)
-        tokens = [s.output[-1] for s in running]
-        positions = [s.cached_len - 1 for s in running]
         t0 = time.perf_counter()
         try:
-            logits = self.runner.decode(tokens, positions, [s.slot for s in running])
+            logits = self.runner.decode([s.output[-1] for s in running], [s.cached_len - 1 for s in running],
+                                        [s.slot for s in running])
+            if not (self.config.decode_ahead and all(s.request.sampling.temperature == 0 for s in running)):
+                self._sample_and_advance(running, logits, results, t_start)
+                self._count_steps(1, len(running), t0)
+                return
+            pending, steps = self.runner.greedy_tokens(logits), 0
+            while True:
+                ahead = all(len(s.output) + 1 < s.max_new_tokens for s in running)  # none ends by length
+                following = self.runner.greedy_tokens(self.runner.decode_next(pending[0])) if ahead else None
+                now = self.runner.wait(pending)  # before reading the host copy
+                self._advance(running, pending[1].tolist(), results, t_start, now)
+                steps += 1
+                if following is None:
+                    break
+                if any(s.finish_reason for s in running):  # drain: the step in flight, for the live rows
+                    now = self.runner.wait(following)
+                    self._advance(running, following[1].tolist(), results, t_start, now)
+                    steps += 1
+                    break
+                pending = following
         except torch.OutOfMemoryError:
             # layers that ran already stored this step's token: redo every running sequence from scratch
             # (a partial step must never be flushed into a group), with at most half as many in flight
+            running = list(self.scheduler.running)
             self.scheduler.max_running = max(1, len(running) // 2)
             self._out_of_memory(running, results)
             return
-        self._sample_and_advance(running, logits, results, t_start)
-        self.stats_acc["decode_steps"] += 1
+        self._count_steps(steps, len(running), t0)
+
+    def _count_steps(self, steps: int, batch: int, t0: float) -> None:
+        self.stats_acc["decode_steps"] += steps
         self.stats_acc["decode_s"] += time.perf_counter() - t0
-        self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], len(running))
+        self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], batch)
 
     def _out_of_memory(self, seqs: list[Sequence], results, prefill: bool = False) -> None:
         """Shrink the batch and put the work back in the queue; a lone sequence that fails is an error."""
@@ -224,40 +250,25 @@ class LLMEngine:
                 seeds=torch.tensor([s.seed for s in seqs], device=dev),
                 steps=torch.tensor([len(s.output) for s in seqs], device=dev),
             ).tolist()
-        now = time.perf_counter()
+        self._advance(seqs, tokens, results, t_start, time.perf_counter())
+
+    def _advance(self, seqs: list[Sequence], tokens: list[int], results, t_start: float, now: float) -> None:
+        """Row b of `seqs` got tokens[b]; rows that finished at an earlier step are skipped."""
         self._record_memory()
         for seq, token in zip(seqs, tokens, strict=True):
+            if seq.finish_reason:
+                continue
             seq.t_first = seq.t_first or now
             if token in self.eos_ids and not seq.request.sampling.ignore_eos:
                 seq.finish_reason = "stop"
             else:
                 seq.output.append(token)
-                if self._hit_stop_string(seq):
+                if seq.hit_stop_string(self.tokenizer):
                     seq.finish_reason = "stop"
                 elif len(seq.output) >= seq.max_new_tokens:
                     seq.finish_reason = "length"
             if seq.finish_reason:
                 self._finish(seq, results, t_start, now)
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        stops = seq.request.sampling.stop
-        if not stops:
-            return False
-        # A stop string first appears at the step whose token completes it, so it lies in the last few tokens:
-        # decode only those each step (decoding the whole output every step is quadratic in its length), and
-        # the whole output once a tail shows a stop (the cut position comes from the whole text). A stop of m
-        # characters spans at most 4m tokens (byte-fallback tokens carry a UTF-8 byte each).
-        window = 4 * max(len(s) for s in stops) + 8
-        if len(seq.output) > window:
-            tail = self.tokenizer.decode(seq.output[-window:], skip_special_tokens=True)
-            if not any(s in tail for s in stops):
-                return False
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut >= 0:
-            seq.text = text[:cut]
-            return True
-        return False
 
     def _finish(self, seq: Sequence, results, t_start: float, now: float) -> None:
         self.scheduler.finish(seq)

@@ -7,6 +7,7 @@ its token ids, positions, slots and lengths into those tensors and replays the b
 from __future__ import annotations
 
 import inspect
+import time
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -40,6 +41,7 @@ class ModelRunner:
         self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.slots, self.seq_lens = int_buf(), int_buf()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.last_batch = 0  # rows of the last decode step (decode_next continues it)
         if use_cuda_graphs:
             self.capture()
 
@@ -109,15 +111,51 @@ class ModelRunner:
     def decode(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """One step: token t of row b sits at position positions[b]; returns logits [B, V] (float32)."""
         batch = len(tokens)
-        bucket = next(b for b in self.buckets if b >= batch)
         host = torch.tensor([tokens, positions, slots], dtype=torch.long)
         self.input_ids[:batch, 0].copy_(host[0], non_blocking=True)
         self.positions[:batch, 0].copy_(host[1], non_blocking=True)
         self.slots[:batch].copy_(host[2], non_blocking=True)
         self.seq_lens[:batch].copy_(host[1] + 1, non_blocking=True)
+        return self._replay(batch)
+
+    @torch.inference_mode()
+    def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The step after the last decode, for the same rows: row b's token is tokens[b] (on the device,
+        long [B]) one position further on. Nothing goes through the host. Returns logits [B, V] (float32)."""
+        batch = tokens.shape[0]
+        if batch != self.last_batch:
+            raise ValueError(f"decode_next for {batch} rows after a step of {self.last_batch}")
+        self.input_ids[:batch, 0].copy_(tokens)
+        self.positions[:batch] += 1
+        self.seq_lens[:batch] += 1
+        return self._replay(batch)
+
+    def _replay(self, batch: int) -> torch.Tensor:
+        bucket = next(b for b in self.buckets if b >= batch)
         self.seq_lens[batch:bucket].zero_()
+        self.last_batch = batch
         if bucket in self.graphs:
             graph, logits = self.graphs[bucket]
             graph.replay()
             return logits[:batch].float()
         return self._decode_graph_body(bucket)[:batch].float()
+
+    @torch.inference_mode()
+    def greedy_tokens(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Argmax of logits [B, V] on the device, and its copy on its way to the host: (device [B], host [B],
+        event that marks the copy done, None on a CPU). Read the host tensor after wait()."""
+        tokens = logits.argmax(dim=-1)
+        if tokens.device.type != "cuda":
+            return tokens, tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return tokens, host, done
+
+    @staticmethod
+    def wait(pending: tuple) -> float:
+        """Block until greedy_tokens' host copy is done; returns the time (perf_counter) it was."""
+        if pending[2] is not None:
+            pending[2].synchronize()
+        return time.perf_counter()

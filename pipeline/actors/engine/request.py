@@ -101,3 +101,24 @@ class Sequence:
     def cached_len(self) -> int:
         """Tokens in the cache after the next decode step stores its input token."""
         return self.prompt_len + len(self.output)
+
+    def hit_stop_string(self, tokenizer) -> bool:
+        """True (and `text` cut before it) when the output now contains one of the request's stop strings."""
+        stops = self.request.sampling.stop
+        if not stops:
+            return False
+        # A stop string first appears at the step whose token completes it, so it lies in the last few tokens:
+        # decode only those each step (decoding the whole output every step is quadratic in its length), and
+        # the whole output once a tail shows a stop (the cut position comes from the whole text). A stop of m
+        # characters spans at most 4m tokens (byte-fallback tokens carry a UTF-8 byte each).
+        window = 4 * max(len(s) for s in stops) + 8
+        if len(self.output) > window:
+            tail = tokenizer.decode(self.output[-window:], skip_special_tokens=True)
+            if not any(s in tail for s in stops):
+                return False
+        text = tokenizer.decode(self.output, skip_special_tokens=True)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        if cut >= 0:
+            self.text = text[:cut]
+            return True
+        return False
