@@ -91,6 +91,16 @@ def init_ray() -> None:
         ray.init(log_to_driver=True)
 
 
+def cpu_share(cpus: float, actors: int) -> float:
+    """CPUs each actor of a CPU-only pool reserves: one, unless `actors` of them would leave no CPU for the
+    read and write tasks (the pool would then wait forever for them): then an equal share of all but one."""
+    share = min(1.0, max(cpus - 1, cpus / 2) / actors)
+    if share < 1.0:
+        log.warning("%d actors on %g CPUs: each reserves %.2f CPU so that read and write tasks keep one",
+                    actors, cpus, share)
+    return share
+
+
 def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: ShardAssembler) -> None:
     import ray
     import ray.data
@@ -98,10 +108,10 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     init_ray()
     ray.data.DataContext.get_current().execution_options.preserve_order = True  # the assembler counts rows
     total = sum(s.num_rows for s in shards)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpus, cpus = int(ray.cluster_resources().get("GPU", 0)), ray.cluster_resources().get("CPU", 1)
     per_actor = job.gpus_per_actor
     size = min(job.actors or int(gpus / per_actor) or 1, math.ceil(total / job.batch_size))
-    resources = {"num_gpus": per_actor} if gpus else {"num_cpus": 1}
+    resources = {"num_gpus": per_actor} if gpus else {"num_cpus": cpu_share(cpus, size)}
     if gpus and size * per_actor > gpus:
         log.warning("%d actors of %g GPU each on a cluster with %d GPUs: the rest wait for GPUs", size, per_actor, gpus)
     log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, job.batch_size)

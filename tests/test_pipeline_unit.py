@@ -367,3 +367,17 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
     (tmp_path / "out" / ".a.parquet.123.tmp").write_bytes(b"partial")  # a crashed write never counts
     os.remove(store.shard_path("b"))
     assert store.completed() == {"a", "c"}
+
+
+@pytest.mark.parametrize("cpus", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("actors", [1, 2, 3, 8])
+def test_cpu_actor_pool_leaves_a_cpu_for_read_and_write_tasks(cpus, actors):
+    """A CPU-only pool whose actors took every CPU would wait forever for its read tasks (seen: --actors 2
+    on a 2-core machine hung): each actor reserves one CPU, or an equal share of all but one."""
+    from pipeline.run import cpu_share
+
+    share = cpu_share(cpus, actors)
+    assert 0 < share <= 1
+    assert actors * share <= max(cpus - 1, cpus / 2) + 1e-9  # at least one CPU (or half of one) stays free
+    if actors <= cpus - 1:
+        assert share == 1.0  # room for a whole CPU each: nothing changes
