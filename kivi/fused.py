@@ -50,7 +50,7 @@ class FusedLayers:
         self.norms = [m for m in model.modules() if type(m).__name__ == norm_class]
         if not self.norms:
             raise ValueError(f"no {norm_class} modules in this {model_type} model")
-        self.ops, self.depth, self.original_rotary = ops, 0, None
+        self.ops, self.depth, self.original_rotary, self.saved_forwards = ops, 0, None, []
 
     def _norm_forward(self, module: torch.nn.Module):
         rms_norm, eps = self.ops.rms_norm, float(module.variance_epsilon)
@@ -69,6 +69,8 @@ class FusedLayers:
     def __enter__(self) -> FusedLayers:
         self.depth += 1
         if self.depth == 1:
+            # an instance forward set by someone else (accelerate's hooks) is put back on exit
+            self.saved_forwards = [vars(module).get("forward") for module in self.norms]
             for module in self.norms:
                 module.forward = self._norm_forward(module)  # an instance attribute shadows the class's
             self.original_rotary = self.modeling.apply_rotary_pos_emb
@@ -78,6 +80,9 @@ class FusedLayers:
     def __exit__(self, *exc) -> None:
         self.depth -= 1
         if self.depth == 0:
-            for module in self.norms:
-                del module.forward
+            for module, saved in zip(self.norms, self.saved_forwards, strict=True):
+                if saved is None:
+                    del module.forward
+                else:
+                    module.forward = saved
             self.modeling.apply_rotary_pos_emb = self.original_rotary

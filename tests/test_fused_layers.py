@@ -154,6 +154,13 @@ def test_fused_layers_fall_through_and_refuse_unknown_models():
         got = fused.modeling.apply_rotary_pos_emb(q_t, q_t, cos, sin, unsqueeze_dim=2)
         want = fused.original_rotary(q_t, q_t, cos, sin, unsqueeze_dim=2)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    # an instance forward that was there before (accelerate's hooks set one) is put back, not deleted
+    norm = fused.norms[0]
+    hooked = norm.forward  # a bound method of the class's forward, as a hook's wrapper would hold
+    norm.forward = hooked
+    with fused:
+        assert norm.forward is not hooked
+    assert vars(norm)["forward"] is hooked
     model.config.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         FusedLayers(model, kernels.get_ops("reference"))
