@@ -14,7 +14,8 @@ per system and one JSON object last.
 
 --phase prefill profiles the prefills instead (from the first prefill to the first decode step) and reports
 kernel times per 1,000 prompt tokens. A system named with the suffix "/unfused" runs with
-EngineConfig.fused_layers=False (transformers' own RMSNorm and rotary ops), for an A/B in one process.
+EngineConfig.fused_layers=False (transformers' own RMSNorm and rotary ops), one with "/projections" with
+EngineConfig.fused_projections=True, for an A/B in one process.
 
 On a CPU (`--cpu-smoke`: a tiny model, reference kernels): only checks that the script runs.
 """
@@ -88,7 +89,8 @@ def profile_system(model, system: str, prompts, cap_gib: float, device: torch.de
 
     name, _, variant = system.partition("/")
     config = engine_config(name, memory_limit_gib=cap_gib if device.type == "cuda" else None, max_batch_size=256,
-                           cuda_graphs=False, fused_layers=variant != "unfused")
+                           cuda_graphs=False, fused_layers=variant != "unfused",
+                           fused_projections=variant == "projections")
     engine = LLMEngine(model, StubTokenizer(), config)
     engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=3))])  # compile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

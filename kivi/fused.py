@@ -7,11 +7,14 @@ where transformers' ops round, so outputs match the unpatched model to the last 
 config.model_type; other types raise. The rotary patch is a module global: while the context is open it also
 applies to other models of the same type in this process. Calls the kernels do not take (another dtype for
 cos/sin, unsqueeze_dim != 1, a head_dim that is not a power of two) fall through to transformers' function.
+With projections=True (off by default: not measured on a GPU yet) the q/k/v products of each attention and
+the gate/up products of each MLP also run as one matmul each (fuse_projections).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import torch
 
@@ -37,10 +40,61 @@ def _rotary_takes(q, k, cos, sin, args, kwargs) -> bool:
             and cos.shape == sin.shape == (q.shape[0], q.shape[2], D))
 
 
-class FusedLayers:
-    """Context manager: RMSNorm and rotary kernels of `ops` in `model`'s forward while it is open."""
+def _fuse_linears(linears: list[torch.nn.Linear]) -> list[tuple[torch.nn.Module, Callable]] | None:
+    """Make the linears' weights (and biases) row slices of one fused tensor, and return forwards under which
+    the first linear computes all their products in one matmul and the others return their slice of it when
+    called on the same input tensor (any other input: their own product). None if they cannot be fused."""
+    first = linears[0].weight
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(lin.weight.shape[1] != first.shape[1] or lin.weight.dtype != first.dtype
+           or lin.weight.device != first.device for lin in linears) or len(set(has_bias)) != 1:
+        return None
+    sizes = [lin.weight.shape[0] for lin in linears]
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = torch.cat([lin.bias for lin in linears]) if has_bias[0] else None
+        for i, (lin, w) in enumerate(zip(linears, weight.split(sizes), strict=True)):
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)  # a view: no extra memory once the old goes
+            if bias is not None:
+                lin.bias = torch.nn.Parameter(bias.split(sizes)[i], requires_grad=False)
+    stash: dict = {}
 
-    def __init__(self, model: torch.nn.Module, ops: KernelOps) -> None:
+    def lead(x):
+        parts = torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
+        stash.update(x=x, parts=parts)
+        return parts[0]
+
+    def follower(i: int, lin: torch.nn.Linear):
+        def forward(x):
+            if stash.get("x") is x:
+                part = stash["parts"][i]
+                if i == len(sizes) - 1:
+                    stash.clear()  # the last one: hold no activations past this layer
+                return part
+            return torch.nn.functional.linear(x, lin.weight, lin.bias)
+
+        return forward
+
+    return [(linears[0], lead)] + [(lin, follower(i, lin)) for i, lin in enumerate(linears) if i > 0]
+
+
+def fuse_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable]]:
+    """Fused q/k/v and gate/up products for every attention and MLP module that has them (see _fuse_linears)."""
+    patches = []
+    for module in model.modules():
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            linears = [getattr(module, n, None) for n in names]
+            if all(isinstance(lin, torch.nn.Linear) for lin in linears):
+                patches += _fuse_linears(linears) or []
+    return patches
+
+
+class FusedLayers:
+    """Context manager: RMSNorm and rotary kernels of `ops` in `model`'s forward while it is open; with
+    projections=True also one matmul for q/k/v and one for gate/up (fuse_projections: the weights become
+    views of fused tensors at construction, for good)."""
+
+    def __init__(self, model: torch.nn.Module, ops: KernelOps, projections: bool = False) -> None:
         model_type = getattr(model.config, "model_type", None)
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers do not support model_type {model_type!r} "
@@ -51,6 +105,9 @@ class FusedLayers:
         if not self.norms:
             raise ValueError(f"no {norm_class} modules in this {model_type} model")
         self.ops, self.depth, self.original_rotary, self.saved_forwards = ops, 0, None, []
+        self.patches = [(module, self._norm_forward(module)) for module in self.norms]
+        if projections:
+            self.patches += fuse_projections(model)
 
     def _norm_forward(self, module: torch.nn.Module):
         rms_norm, eps = self.ops.rms_norm, float(module.variance_epsilon)
@@ -70,9 +127,9 @@ class FusedLayers:
         self.depth += 1
         if self.depth == 1:
             # an instance forward set by someone else (accelerate's hooks) is put back on exit
-            self.saved_forwards = [vars(module).get("forward") for module in self.norms]
-            for module in self.norms:
-                module.forward = self._norm_forward(module)  # an instance attribute shadows the class's
+            self.saved_forwards = [vars(module).get("forward") for module, _ in self.patches]
+            for module, forward in self.patches:
+                module.forward = forward  # an instance attribute shadows the class's
             self.original_rotary = self.modeling.apply_rotary_pos_emb
             self.modeling.apply_rotary_pos_emb = self._rotary(self.original_rotary)
         return self
@@ -80,7 +137,7 @@ class FusedLayers:
     def __exit__(self, *exc) -> None:
         self.depth -= 1
         if self.depth == 0:
-            for module, saved in zip(self.norms, self.saved_forwards, strict=True):
+            for (module, _), saved in zip(self.patches, self.saved_forwards, strict=True):
                 if saved is None:
                     del module.forward
                 else:

@@ -179,3 +179,39 @@ def test_fused_kernels_compile_for_h200():
         (rotary_kernel, rope_sig, {"HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 8}, {"num_warps": 8}),
     ])
     assert [r["cubin_bytes"] > 0 for r in results] == [True] * 3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_fused_projections_one_matmul_for_qkv_and_gate_up(model_type, monkeypatch):
+    import kernels
+    from kivi.fused import FusedLayers
+
+    model = _tiny(model_type, torch.float32)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    params_before = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        before = model(ids).logits
+        fused = FusedLayers(model, kernels.get_ops("reference"), projections=True)
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        # the weights are now slices of one tensor per group (no extra memory)
+        assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+        assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+        assert sum(p.numel() for p in model.parameters()) == params_before
+        calls = {"n": 0}
+        linear = torch.nn.functional.linear
+
+        def counted(*args, **kwargs):
+            calls["n"] += 1
+            return linear(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "linear", counted)
+        with fused:
+            inside = model(ids).logits
+        per_forward = calls["n"]
+        calls["n"] = 0
+        after = model(ids).logits
+    layers = model.config.num_hidden_layers
+    assert per_forward == 4 * layers + 1  # qkv, o, gate+up, down per layer; lm_head
+    assert calls["n"] == 7 * layers + 1  # unpatched again: seven products per layer
+    torch.testing.assert_close(inside, before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)  # the views hold the same values

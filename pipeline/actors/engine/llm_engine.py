@@ -45,6 +45,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
     decode_ahead: bool = True  # greedy batches: launch step i+1 before the host reads step i's tokens
+    fused_projections: bool = False  # with fused_layers: one matmul for q/k/v and one for gate/up (unmeasured)
     cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
 
     def __post_init__(self) -> None:
@@ -125,7 +126,7 @@ class LLMEngine:
         if model_type not in FUSED_MODEL_TYPES:
             log.info("no fused RMSNorm/rotary kernels for model_type %r: transformers' ops run", model_type)
             return None
-        return FusedLayers(self.model, kernels.get_ops("triton"))
+        return FusedLayers(self.model, kernels.get_ops("triton"), projections=self.config.fused_projections)
 
     # -- requests --------------------------------------------------------------------------
     def _check(self, request: Request) -> str | None:
