@@ -117,6 +117,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     other_seed = engine.generate([Request("a", prompt, SamplingParams(**{**params.__dict__, "seed": 99}))])[0]
     greedy_k1 = engine.generate([Request("g", prompt, SamplingParams(max_new_tokens=20, temperature=1.0, top_k=1))])
     assert alone == mixed
+    synchronous = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4, decode_ahead=False))
+    assert synchronous.generate([Request("a", prompt, params)])[0].token_ids == alone  # steps run ahead or not
     assert other_seed.token_ids != alone
     assert greedy_k1[0].token_ids == engine.generate([Request("g", prompt, SamplingParams(max_new_tokens=20))])[
         0].token_ids
@@ -358,7 +360,8 @@ def test_decode_ahead_drops_the_extra_token_of_rows_that_stop(tiny, monkeypatch)
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
 def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):
     """On a GPU the ahead steps really overlap the host (non-blocking copies, graph replays fed from the
-    device): the tokens must equal synchronous steps' for every request, EOS mid-batch included."""
+    device): the tokens must equal synchronous steps' for every request, greedy and sampled, EOS mid-batch
+    included."""
     torch.manual_seed(7)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
@@ -366,6 +369,9 @@ def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):
     model.generation_config.eos_token_id = None
     cache = kivi.KiviConfig(backend="triton") if cache_kind == "kivi" else None
     reqs = requests([150, 400, 33, 260, 90, 520, 70, 310], [60, 25, 80, 40, 70, 30, 90, 50], seed=2)
+    for i in (1, 4, 6):  # some rows sampled (seeded): their steps run ahead too
+        reqs[i] = Request(reqs[i].request_id, reqs[i].prompt_token_ids,
+                          SamplingParams(max_new_tokens=reqs[i].sampling.max_new_tokens, temperature=0.8, seed=i))
     outs = {}
     for ahead in (False, True):
         engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=cache, max_batch_size=4, decode_ahead=ahead,

@@ -182,23 +182,25 @@ class LLMEngine:
         self._sample_and_advance(batch, logits, results, t_start)
 
     def _decode(self, results, t_start: float) -> None:
-        """Decode steps for the running sequences. All greedy: while no row ends by length, step i+1 is
-        launched from step i's tokens on the device before the host reads them, so the host's bookkeeping
-        overlaps the GPU's next step. A row that stops early (end of sequence, a stop string) then runs one
-        step too many into its own reserved pages; that token is dropped."""
+        """Decode steps for the running sequences. While no row ends by length, step i+1 is launched from
+        step i's tokens on the device before the host reads them, so the host's bookkeeping overlaps the GPU's
+        next step. A row that stops early (end of sequence, a stop string) then runs one step too many into
+        its own reserved pages; that token is dropped."""
         running = list(self.scheduler.running)
         t0 = time.perf_counter()
         try:
             logits = self.runner.decode([s.output[-1] for s in running], [s.cached_len - 1 for s in running],
                                         [s.slot for s in running])
-            if not (self.config.decode_ahead and all(s.request.sampling.temperature == 0 for s in running)):
+            if not self.config.decode_ahead:
                 self._sample_and_advance(running, logits, results, t_start)
                 self._count_steps(1, len(running), t0)
                 return
-            pending, steps = self.runner.greedy_tokens(logits), 0
+            pick = self._picker(running)
+            pending, steps = self.runner.to_host(pick(logits, 0)), 0
             while True:
                 ahead = all(len(s.output) + 1 < s.max_new_tokens for s in running)  # none ends by length
-                following = self.runner.greedy_tokens(self.runner.decode_next(pending[0])) if ahead else None
+                following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
+                             if ahead else None)
                 now = self.runner.wait(pending)  # before reading the host copy
                 self._advance(running, pending[1].tolist(), results, t_start, now)
                 steps += 1
@@ -219,6 +221,23 @@ class LLMEngine:
             return
         self._count_steps(steps, len(running), t0)
 
+    def _picker(self, seqs: list[Sequence]):
+        """(logits [B, V], k) -> tokens [B] on the device for the k-th step from now of these rows."""
+        params = [s.request.sampling for s in seqs]
+        if all(p.temperature == 0 for p in params):
+            return lambda logits, k: logits.argmax(dim=-1)
+        rows = self._sampling_tensors(seqs)
+        return lambda logits, k: sample(logits, *rows[:-1], steps=rows[-1] + k)
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
+        """temperature, top_k, top_p, seeds, steps [B] on the device (sample's arguments)."""
+        params, dev = [s.request.sampling for s in seqs], self.device
+        return (torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
+                torch.tensor([p.top_k for p in params], device=dev),
+                torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
+                torch.tensor([s.seed for s in seqs], device=dev),
+                torch.tensor([len(s.output) for s in seqs], device=dev))
+
     def _count_steps(self, steps: int, batch: int, t0: float) -> None:
         self.stats_acc["decode_steps"] += steps
         self.stats_acc["decode_s"] += time.perf_counter() - t0
@@ -238,19 +257,10 @@ class LLMEngine:
                     len(seqs), self.scheduler.prefill_tokens)
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, results, t_start: float) -> None:
-        params = [s.request.sampling for s in seqs]
-        dev = logits.device
-        if all(p.temperature == 0 for p in params):  # all greedy: no per-row sampling tensors to send
+        if all(s.request.sampling.temperature == 0 for s in seqs):  # all greedy: no per-row tensors to send
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = sample(
-                logits,
-                temperature=torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
-                top_k=torch.tensor([p.top_k for p in params], device=dev),
-                top_p=torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-                seeds=torch.tensor([s.seed for s in seqs], device=dev),
-                steps=torch.tensor([len(s.output) for s in seqs], device=dev),
-            ).tolist()
+            tokens = sample(logits, *self._sampling_tensors(seqs)).tolist()
         self._advance(seqs, tokens, results, t_start, time.perf_counter())
 
     def _advance(self, seqs: list[Sequence], tokens: list[int], results, t_start: float, now: float) -> None:

@@ -140,11 +140,10 @@ class ModelRunner:
             return logits[:batch].float()
         return self._decode_graph_body(bucket)[:batch].float()
 
-    @torch.inference_mode()
-    def greedy_tokens(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """Argmax of logits [B, V] on the device, and its copy on its way to the host: (device [B], host [B],
-        event that marks the copy done, None on a CPU). Read the host tensor after wait()."""
-        tokens = logits.argmax(dim=-1)
+    @staticmethod
+    def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Start copying tokens [B] (on the device) to the host: (device tokens, host tokens, event that marks
+        the copy done, None on a CPU). Read the host tensor after wait()."""
         if tokens.device.type != "cuda":
             return tokens, tokens, None
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -155,7 +154,7 @@ class ModelRunner:
 
     @staticmethod
     def wait(pending: tuple) -> float:
-        """Block until greedy_tokens' host copy is done; returns the time (perf_counter) it was."""
+        """Block until to_host's copy is done; returns the time (perf_counter) it was."""
         if pending[2] is not None:
             pending[2].synchronize()
         return time.perf_counter()

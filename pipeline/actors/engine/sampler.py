@@ -25,24 +25,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32; per-row temperature/top_p float [B], top_k/seeds/steps int64 [B] -> tokens [B].
 
-    Rows with temperature 0 are greedy; top_k 0 means no top-k cut.
+    Rows with temperature 0 are greedy; top_k 0 means no top-k cut. Every row is computed (greedy rows are
+    picked at the end), so nothing waits for the device: the engine can queue its next step behind this one.
     """
     greedy = logits.argmax(dim=-1)
     sampled_rows = temperature > 0
-    if not bool(sampled_rows.any()):
-        return greedy
-    rows = sampled_rows.nonzero().squeeze(1)
-    scaled = logits[rows] / temperature[rows, None]
+    scaled = logits / torch.where(sampled_rows, temperature, 1.0)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k[rows] > 0, top_k[rows], vocab)[:, None]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
-    keep = (rank < k) & ((before < top_p[rows, None]) | (rank == 0))
-    gumbel = -torch.log(-torch.log(_hash_uniform(seeds[rows], steps[rows], vocab)))
+    keep = (rank < k) & ((before < top_p[:, None]) | (rank == 0))
+    gumbel = -torch.log(-torch.log(_hash_uniform(seeds, steps, vocab)))
     scores = torch.where(keep, sorted_logits.double() + gumbel, float("-inf"))
     picked = order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
-    out = greedy.clone()
-    out[rows] = picked
-    return out
+    return torch.where(sampled_rows, picked, greedy)
