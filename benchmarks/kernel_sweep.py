@@ -187,7 +187,7 @@ def plan(name: str):
         out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, cp_async=False, maxnreg=128, num_splits=128))]
                     + [("new", 2, dict(fma=True, cp_async=True, num_splits=s)) for s in (128, 192)]))
         return out
-    if name == "caps":  # register caps for the cp.async loop: 168 (12 warps/SM, the default), 152 (13), 144 (14)
+    if name == "caps":  # register caps for the cp.async loop: 168 (12 warps/SM), 152 (13), 144 (14, the default now)
         def vs():
             return [("new", 2, dict(fma=True, maxnreg=r, per_sm=p)) for r, p in
                     [(168, 48), (152, 48), (152, 52), (144, 48), (144, 56)]]

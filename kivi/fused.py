@@ -40,24 +40,38 @@ def _rotary_takes(q, k, cos, sin, args, kwargs) -> bool:
             and cos.shape == sin.shape == (q.shape[0], q.shape[2], D))
 
 
-def _fuse_linears(linears: list[torch.nn.Linear]) -> list[tuple[torch.nn.Module, Callable]] | None:
-    """Make the linears' weights (and biases) row slices of one fused tensor, and return forwards under which
-    the first linear computes all their products in one matmul and the others return their slice of it when
-    called on the same input tensor (any other input: their own product). None if they cannot be fused."""
+def _fused_weights(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+    """One weight (and bias) tensor whose row slices the linears' parameters become (no extra memory once the
+    old ones go); the one made before when they are still its slices. None if they cannot be fused."""
     first = linears[0].weight
     has_bias = [lin.bias is not None for lin in linears]
     if any(lin.weight.shape[1] != first.shape[1] or lin.weight.dtype != first.dtype
            or lin.weight.device != first.device for lin in linears) or len(set(has_bias)) != 1:
         return None
+    made = getattr(linears[0], "_kivi_fused", None)
+    if made is not None and all(lin.weight.untyped_storage().data_ptr() == made[0].untyped_storage().data_ptr()
+                                for lin in linears):
+        return made  # fused already (another engine on this model): fusing again would copy the weights
     sizes = [lin.weight.shape[0] for lin in linears]
     with torch.no_grad():
         weight = torch.cat([lin.weight for lin in linears])
         bias = torch.cat([lin.bias for lin in linears]) if has_bias[0] else None
         for i, (lin, w) in enumerate(zip(linears, weight.split(sizes), strict=True)):
-            lin.weight = torch.nn.Parameter(w, requires_grad=False)  # a view: no extra memory once the old goes
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)
             if bias is not None:
                 lin.bias = torch.nn.Parameter(bias.split(sizes)[i], requires_grad=False)
-    stash: dict = {}
+    linears[0]._kivi_fused = (weight, bias, sizes)
+    return linears[0]._kivi_fused
+
+
+def _fuse_linears(linears: list[torch.nn.Linear], stash: dict) -> list[tuple[torch.nn.Module, Callable]]:
+    """Forwards under which the first linear computes all the linears' products in one matmul and the others
+    return their slice of it when called on the same input tensor (any other input: their own product).
+    `stash` holds the input and the slices between those calls. [] if they cannot be fused."""
+    fused = _fused_weights(linears)
+    if fused is None:
+        return []
+    weight, bias, sizes = fused
 
     def lead(x):
         parts = torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
@@ -78,15 +92,17 @@ def _fuse_linears(linears: list[torch.nn.Linear]) -> list[tuple[torch.nn.Module,
     return [(linears[0], lead)] + [(lin, follower(i, lin)) for i, lin in enumerate(linears) if i > 0]
 
 
-def fuse_projections(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable]]:
-    """Fused q/k/v and gate/up products for every attention and MLP module that has them (see _fuse_linears)."""
-    patches = []
+def fuse_projections(model: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module, Callable]], list[dict]]:
+    """Fused q/k/v and gate/up products for every attention and MLP module that has them as plain nn.Linear
+    (see _fuse_linears): the patches, and the stashes to clear when a forward ends early."""
+    patches, stashes = [], []
     for module in model.modules():
         for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             linears = [getattr(module, n, None) for n in names]
-            if all(isinstance(lin, torch.nn.Linear) for lin in linears):
-                patches += _fuse_linears(linears) or []
-    return patches
+            if all(type(lin) is torch.nn.Linear for lin in linears):  # not quantized subclasses
+                stashes.append({})
+                patches += _fuse_linears(linears, stashes[-1])
+    return patches, stashes
 
 
 class FusedLayers:
@@ -106,8 +122,10 @@ class FusedLayers:
             raise ValueError(f"no {norm_class} modules in this {model_type} model")
         self.ops, self.depth, self.original_rotary, self.saved_forwards = ops, 0, None, []
         self.patches = [(module, self._norm_forward(module)) for module in self.norms]
+        self.stashes: list[dict] = []
         if projections:
-            self.patches += fuse_projections(model)
+            patches, self.stashes = fuse_projections(model)
+            self.patches += patches
 
     def _norm_forward(self, module: torch.nn.Module):
         rms_norm, eps = self.ops.rms_norm, float(module.variance_epsilon)
@@ -126,20 +144,27 @@ class FusedLayers:
     def __enter__(self) -> FusedLayers:
         self.depth += 1
         if self.depth == 1:
-            # an instance forward set by someone else (accelerate's hooks) is put back on exit
-            self.saved_forwards = [vars(module).get("forward") for module, _ in self.patches]
-            for module, forward in self.patches:
-                module.forward = forward  # an instance attribute shadows the class's
-            self.original_rotary = self.modeling.apply_rotary_pos_emb
-            self.modeling.apply_rotary_pos_emb = self._rotary(self.original_rotary)
+            try:
+                self.original_rotary = self.modeling.apply_rotary_pos_emb
+                # an instance forward set by someone else (accelerate's hooks) is put back on exit
+                self.saved_forwards = [vars(module).get("forward") for module, _ in self.patches]
+                for module, forward in self.patches:
+                    module.forward = forward  # an instance attribute shadows the class's
+                self.modeling.apply_rotary_pos_emb = self._rotary(self.original_rotary)
+            except BaseException:
+                self.__exit__()  # all or nothing: `with` does not call __exit__ when __enter__ raises
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.depth -= 1
         if self.depth == 0:
-            for (module, _), saved in zip(self.patches, self.saved_forwards, strict=True):
-                if saved is None:
-                    del module.forward
-                else:
+            for (module, _), saved in zip(self.patches, self.saved_forwards, strict=False):
+                if saved is not None:
                     module.forward = saved
-            self.modeling.apply_rotary_pos_emb = self.original_rotary
+                elif "forward" in vars(module):
+                    del module.forward
+            if self.original_rotary is not None:
+                self.modeling.apply_rotary_pos_emb = self.original_rotary
+            for stash in self.stashes:
+                stash.clear()  # a forward that raised between a group's products leaves its activations here

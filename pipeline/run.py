@@ -92,9 +92,10 @@ def init_ray() -> None:
 
 
 def cpu_share(cpus: float, actors: int) -> float:
-    """CPUs each actor of a CPU-only pool reserves: one, unless `actors` of them would leave no CPU for the
-    read and write tasks (the pool would then wait forever for them): then an equal share of all but one."""
-    share = min(1.0, max(cpus - 1, cpus / 2) / actors)
+    """CPUs each actor of a CPU-only pool reserves: one, unless `actors` of them would leave no whole CPU for
+    the read and write tasks (each asks for one; the pool would wait forever for them): then an equal share of
+    all but one (none on a one-CPU machine: Ray schedules an actor that reserves no CPU)."""
+    share = min(1.0, max(cpus - 1, 0) / actors)
     if share < 1.0:
         log.warning("%d actors on %g CPUs: each reserves %.2f CPU so that read and write tasks keep one",
                     actors, cpus, share)

@@ -18,7 +18,7 @@ def rms_norm_kernel(
 
     # stage 1: mean of squares in fp32
     x = tl.load(x_ptr + rows[:, None] * stride_x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M]
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # [BLOCK_M], as torch.rsqrt
 
     # stage 2: normalize and round to the input dtype (as transformers does before the weight)
     x_hat = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)

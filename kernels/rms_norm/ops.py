@@ -11,7 +11,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_COLS = 16384  # one row per tile: wider rows would need a looped reduction
 
 
-def check_rms_norm_args(x, weight, eps) -> torch.dtype:
+def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.dtype:
     """Validate; returns the output dtype (promote(x.dtype, weight.dtype), as torch's product gives)."""
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -42,8 +42,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     n_rows = x2.shape[0]
-    if x2.numel() >= 2**31:
-        raise ValueError(f"rms_norm offsets are int32: {n_rows} x {n_cols} elements is too many, split the call")
+    if n_rows and (n_rows - 1) * x2.stride(0) + n_cols >= 2**31 or x2.numel() >= 2**31:
+        raise ValueError(f"rms_norm offsets are int32: {n_rows} rows of stride {x2.stride(0)} reach too far, "
+                         "split the call")
     if n_rows == 0:
         return out
     block_n = triton.next_power_of_2(n_cols)

@@ -10,7 +10,7 @@ from .kernel import rotary_kernel
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_rotary_args(q, k, cos, sin) -> None:
+def check_rotary_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [B, T, D]; one dtype and device; D even. Raises on bad input."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
@@ -44,6 +44,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     inputs = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, cos, sin)]
     q, k, cos, sin = inputs
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)  # same strides as q and k (dense layouts)
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("q_out", q_out), ("k_out", k_out)):
+        if sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) >= 2**31:
+            raise ValueError(f"rotary offsets are int32: {name} {tuple(t.shape)} reaches too far, split the call")
     for name, t in (("q_out", q_out), ("k_out", k_out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")

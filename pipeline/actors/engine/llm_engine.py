@@ -25,7 +25,7 @@ from pipeline.actors.engine.kv_cache import EngineCache
 from pipeline.actors.engine.memory import measure_workspace, plan_cache
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence
-from pipeline.actors.engine.sampler import sample
+from pipeline.actors.engine.sampler import picker, sample, sampling_rows
 from pipeline.actors.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -187,16 +187,18 @@ class LLMEngine:
         next step. A row that stops early (end of sequence, a stop string) then runs one step too many into
         its own reserved pages; that token is dropped."""
         running = list(self.scheduler.running)
-        t0 = time.perf_counter()
+        t0, steps = time.perf_counter(), 0
+        # the sampling rows go to the device before the step: a copy queued behind it would wait for it
+        pick = picker([s.request.sampling for s in running], [s.seed for s in running],
+                      [len(s.output) for s in running], self.device) if self.config.decode_ahead else None
         try:
             logits = self.runner.decode([s.output[-1] for s in running], [s.cached_len - 1 for s in running],
                                         [s.slot for s in running])
-            if not self.config.decode_ahead:
+            if pick is None:
                 self._sample_and_advance(running, logits, results, t_start)
                 self._count_steps(1, len(running), t0)
                 return
-            pick = self._picker(running)
-            pending, steps = self.runner.to_host(pick(logits, 0)), 0
+            pending = self.runner.to_host(pick(logits, 0))
             while True:
                 ahead = all(len(s.output) + 1 < s.max_new_tokens for s in running)  # none ends by length
                 following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
@@ -215,28 +217,12 @@ class LLMEngine:
         except torch.OutOfMemoryError:
             # layers that ran already stored this step's token: redo every running sequence from scratch
             # (a partial step must never be flushed into a group), with at most half as many in flight
+            self._count_steps(steps, len(running), t0)  # the steps that did run
             running = list(self.scheduler.running)
             self.scheduler.max_running = max(1, len(running) // 2)
             self._out_of_memory(running, results)
             return
         self._count_steps(steps, len(running), t0)
-
-    def _picker(self, seqs: list[Sequence]):
-        """(logits [B, V], k) -> tokens [B] on the device for the k-th step from now of these rows."""
-        params = [s.request.sampling for s in seqs]
-        if all(p.temperature == 0 for p in params):
-            return lambda logits, k: logits.argmax(dim=-1)
-        rows = self._sampling_tensors(seqs)
-        return lambda logits, k: sample(logits, *rows[:-1], steps=rows[-1] + k)
-
-    def _sampling_tensors(self, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-        """temperature, top_k, top_p, seeds, steps [B] on the device (sample's arguments)."""
-        params, dev = [s.request.sampling for s in seqs], self.device
-        return (torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32),
-                torch.tensor([p.top_k for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32),
-                torch.tensor([s.seed for s in seqs], device=dev),
-                torch.tensor([len(s.output) for s in seqs], device=dev))
 
     def _count_steps(self, steps: int, batch: int, t0: float) -> None:
         self.stats_acc["decode_steps"] += steps
@@ -260,7 +246,9 @@ class LLMEngine:
         if all(s.request.sampling.temperature == 0 for s in seqs):  # all greedy: no per-row tensors to send
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = sample(logits, *self._sampling_tensors(seqs)).tolist()
+            rows = sampling_rows([s.request.sampling for s in seqs], [s.seed for s in seqs],
+                                 [len(s.output) for s in seqs], logits.device)
+            tokens = sample(logits, *rows).tolist()
         self._advance(seqs, tokens, results, t_start, time.perf_counter())
 
     def _advance(self, seqs: list[Sequence], tokens: list[int], results, t_start: float, now: float) -> None:

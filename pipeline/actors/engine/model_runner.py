@@ -149,7 +149,7 @@ class ModelRunner:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(tokens.device))  # the stream the copy went on
         return tokens, host, done
 
     @staticmethod

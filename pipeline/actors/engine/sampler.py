@@ -6,6 +6,8 @@ not depend on which other requests share its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -42,3 +44,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     scores = torch.where(keep, sorted_logits.double() + gumbel, float("-inf"))
     picked = order.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(sampled_rows, picked, greedy)
+
+
+def sampling_rows(params: Sequence, seeds: list[int], steps: list[int], device: torch.device
+                  ) -> tuple[torch.Tensor, ...]:
+    """sample()'s per-row arguments on `device`: temperature, top_k, top_p, seeds, steps [B], from the rows'
+    SamplingParams, seeds and tokens generated so far."""
+    return (torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32),
+            torch.tensor(seeds, device=device), torch.tensor(steps, device=device))
+
+
+def picker(params: Sequence, seeds: list[int], steps: list[int], device: torch.device
+           ) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """(logits [B, V], k) -> tokens [B] on the device for the k-th decode step from now of these rows: argmax
+    when every row is greedy, else sample() with the row tensors made once here and the step counter k on."""
+    if all(p.temperature == 0 for p in params):
+        return lambda logits, k: logits.argmax(dim=-1)
+    *rows, base = sampling_rows(params, seeds, steps, device)
+    return lambda logits, k: sample(logits, *rows, steps=base + k)
