@@ -25,13 +25,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import torch  # noqa: E402
 from common import env_header, write_json  # noqa: E402
+from engine_probe import engine_config, instrumented_runner  # noqa: E402
 from engine_setup import MODELS, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
-from engine_systems import engine_config, instrumented_runner  # noqa: E402
 from profile_step import TINY  # noqa: E402
 
 
 class StepProbe:
-    """For engine_systems.instrumented_runner: host time and CUDA events around each decode step."""
+    """For engine_probe.instrumented_runner: host time and CUDA events around each decode step."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda, self.marks = cuda, []  # (host start, start event, end event, batch)

@@ -1,0 +1,105 @@
+"""The engine's side of bench_engine (and profile_step, step_gap): an EngineConfig per system name, the
+set-up done before the timed call, and a probe on the model runner's calls (what it was asked to do, and a
+deadline)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+
+class TimeUp(Exception):
+    """Raised inside the engine's generate() when the run reaches its time limit."""
+
+
+
+class RunnerProbe:
+    """Counts what the engine's model runner is asked to do; raises TimeUp past the deadline."""
+
+    def __init__(self, read_table: list[int], weight_bytes: int, bandwidth: float, deadline: float) -> None:
+        self.read_table, self.weights, self.bandwidth, self.deadline = read_table, weight_bytes, bandwidth, deadline
+        self.prefill_rows = self.steps = self.rows = 0
+        self.bound_s = 0.0
+
+    def check(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise TimeUp
+
+    def on_prefill(self, prompts) -> None:
+        self.check()
+        self.prefill_rows += len(prompts)
+
+    def on_decode(self, positions) -> None:
+        self.check()
+        self.steps += 1
+        self.rows += len(positions)
+        kv = sum(self.read_table[p + 1] for p in positions)  # row b caches positions[b] + 1 tokens
+        self.bound_s += (self.weights + kv) / self.bandwidth
+
+
+@contextmanager
+def instrumented_runner(probe: RunnerProbe):
+    """Wrap ModelRunner.prefill/decode/decode_next (class-level, restored on exit) to feed `probe` (on_prefill,
+    on_decode before each call, decode_next reported as a decode of the last rows one position on;
+    after_decode, if the probe has it, after each decode)."""
+    from pipeline.actors.engine import model_runner
+
+    cls = model_runner.ModelRunner
+    orig_prefill, orig_decode = cls.prefill, cls.decode
+    orig_next = getattr(cls, "decode_next", None)
+    last = {"positions": []}
+
+    def prefill(self, *args, **kwargs):
+        probe.on_prefill(args[0] if args else kwargs["prompts"])
+        return orig_prefill(self, *args, **kwargs)
+
+    def stepped(positions, run):
+        probe.on_decode(positions)
+        last["positions"] = positions
+        logits = run()
+        if hasattr(probe, "after_decode"):
+            probe.after_decode()
+        return logits
+
+    def decode(self, *args, **kwargs):
+        positions = list(args[1] if len(args) > 1 else kwargs["positions"])
+        return stepped(positions, lambda: orig_decode(self, *args, **kwargs))
+
+    def decode_next(self, tokens):
+        return stepped([p + 1 for p in last["positions"]], lambda: orig_next(self, tokens))
+
+    cls.prefill, cls.decode = prefill, decode
+    if orig_next is not None:
+        cls.decode_next = decode_next
+    try:
+        yield probe
+    finally:
+        cls.prefill, cls.decode = orig_prefill, orig_decode
+        if orig_next is not None:
+            cls.decode_next = orig_next
+
+
+def build_engine(engine, requests) -> bool:
+    """Plan and allocate the cache and capture the graphs for exactly these requests, as the first
+    generate() call would, so that the timed generate() holds no set-up. False if the engine's private
+    _build is not there (then the set-up happens inside the timed call)."""
+    from pipeline.actors.engine.request import Sequence
+
+    if not hasattr(engine, "_build"):
+        return False
+    seqs = []
+    for index, request in enumerate(requests):
+        room = engine.max_model_len - len(request.prompt_token_ids)
+        seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room)))
+    engine._build(seqs)
+    return True
+
+
+def engine_config(system: str, kivi_kw: dict | None = None, **engine_kw):
+    """EngineConfig of an engine system: engine-bf16 (plain cache) or engine-kivi-<bits>."""
+    from kivi import KiviConfig
+    from pipeline.actors.engine import EngineConfig
+
+    bits = None if system == "engine-bf16" else int(system.rsplit("-", 1)[1])
+    return EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **(kivi_kw or {})),
+                        **engine_kw)
