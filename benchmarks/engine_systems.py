@@ -166,9 +166,8 @@ def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, d
 
     dev = ctx.device
     config = engine_config(system, ctx.kivi_kw, memory_limit_gib=cap_gib, max_batch_size=ctx.engine_max_batch,
-                           cuda_graphs=ctx.cuda_graphs, fused_layers=getattr(ctx, "fused_layers", True),
-                           decode_ahead=getattr(ctx, "decode_ahead", True),
-                           fused_projections=getattr(ctx, "fused_projections", False), cpu_cache_gib=ctx.cpu_cache_gib)
+                           cuda_graphs=ctx.cuda_graphs, fused_layers=ctx.fused_layers, decode_ahead=ctx.decode_ahead,
+                           fused_projections=ctx.fused_projections, cpu_cache_gib=ctx.cpu_cache_gib)
     tokenizer = StubTokenizer()
     engine = LLMEngine(model, tokenizer, config)
     requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]

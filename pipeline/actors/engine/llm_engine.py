@@ -25,7 +25,7 @@ from pipeline.actors.engine.kv_cache import EngineCache
 from pipeline.actors.engine.memory import measure_workspace, plan_cache
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence
-from pipeline.actors.engine.sampler import picker, sample, sampling_rows
+from pipeline.actors.engine.sampler import picker
 from pipeline.actors.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -196,23 +196,18 @@ class LLMEngine:
                                         [s.slot for s in running])
             if pick is None:
                 self._sample_and_advance(running, logits, results, t_start)
-                self._count_steps(1, len(running), t0)
-                return
-            pending = self.runner.to_host(pick(logits, 0))
-            while True:
-                ahead = all(len(s.output) + 1 < s.max_new_tokens for s in running)  # none ends by length
+                pending, steps = None, 1
+            else:
+                pending = self.runner.to_host(pick(logits, 0))
+            while pending is not None:
+                # launch the next step unless a row ended (the step in flight then drains, for the live rows)
+                # or one ends by length with this step
+                ahead = all(not s.finish_reason and len(s.output) + 1 < s.max_new_tokens for s in running)
                 following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
                              if ahead else None)
                 now = self.runner.wait(pending)  # before reading the host copy
                 self._advance(running, pending[1].tolist(), results, t_start, now)
                 steps += 1
-                if following is None:
-                    break
-                if any(s.finish_reason for s in running):  # drain: the step in flight, for the live rows
-                    now = self.runner.wait(following)
-                    self._advance(running, following[1].tolist(), results, t_start, now)
-                    steps += 1
-                    break
                 pending = following
         except torch.OutOfMemoryError:
             # layers that ran already stored this step's token: redo every running sequence from scratch
@@ -243,13 +238,9 @@ class LLMEngine:
                     len(seqs), self.scheduler.prefill_tokens)
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, results, t_start: float) -> None:
-        if all(s.request.sampling.temperature == 0 for s in seqs):  # all greedy: no per-row tensors to send
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            rows = sampling_rows([s.request.sampling for s in seqs], [s.seed for s in seqs],
-                                 [len(s.output) for s in seqs], logits.device)
-            tokens = sample(logits, *rows).tolist()
-        self._advance(seqs, tokens, results, t_start, time.perf_counter())
+        pick = picker([s.request.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
+                      logits.device)
+        self._advance(seqs, pick(logits, 0).tolist(), results, t_start, time.perf_counter())
 
     def _advance(self, seqs: list[Sequence], tokens: list[int], results, t_start: float, now: float) -> None:
         """Row b of `seqs` got tokens[b]; rows that finished at an earlier step are skipped."""
