@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -68,11 +70,28 @@ def default_model() -> tuple[str, str]:
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@functools.lru_cache(maxsize=8)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes (size and mtime_ns key the memo: a rewritten file is hashed again)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _gguf_cache_dir(folder: str, gguf_file: str) -> Path:
-    """Where a dequantized copy of a GGUF model is kept (loading it is ~10x faster than the GGUF)."""
+    """Where a dequantized copy of a GGUF model is kept (loading it is ~10x faster than the GGUF).
+
+    Keyed by the file's content and the transformers release that dequantizes it, not by its path:
+    every virtual environment that installs the same package shares one copy.
+    """
+    import transformers
+
     path = Path(folder) / gguf_file
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    content = _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = hashlib.sha256(f"{content}:{transformers.__version__}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("KIVI_RAY_CACHE", Path.home() / ".cache" / "kivi-ray"))
     return root / f"{path.stem}-{key}"
 
@@ -81,8 +100,6 @@ def _resolve_source(model: str, gguf_file: str | None) -> tuple[str, dict]:
     """A GGUF model is dequantized once into a local cache folder, then loaded from there."""
     if gguf_file is None:
         return model, {}
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not (Path(model) / gguf_file).is_file():
         raise ValueError(f"gguf_file {gguf_file!r} not found in {model!r}")
     cached = _gguf_cache_dir(model, gguf_file)
@@ -90,18 +107,32 @@ def _resolve_source(model: str, gguf_file: str | None) -> tuple[str, dict]:
         return str(cached), {}
     try:
         log.info("dequantizing %s/%s once into %s", model, gguf_file, cached)
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        _dequantize_into(model, gguf_file, cached)
+        return str(cached), {}
+    except OSError as err:  # read-only home: load straight from the GGUF file every time
+        log.warning("cannot cache the dequantized model (%s); loading from GGUF", err)
+        return model, {"gguf_file": gguf_file}
+
+
+def _dequantize_into(model: str, gguf_file: str, cached: Path) -> None:
+    """Save a plain checkpoint of the GGUF model in `cached`, written beside it and renamed in whole."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    try:
         lm = AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file)
         lm.hf_quantizer = None  # weights are already dequantized: save them as a plain checkpoint
         if hasattr(lm.config, "quantization_config"):
             del lm.config.quantization_config
         lm.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(model, gguf_file=gguf_file).save_pretrained(tmp)
-        os.replace(tmp, cached) if not cached.exists() else None
-        return str(cached), {}
-    except OSError as err:  # read-only home: load straight from the GGUF file every time
-        log.warning("cannot cache the dequantized model (%s); loading from GGUF", err)
-        return model, {"gguf_file": gguf_file}
+        os.replace(tmp, cached)
+    except OSError:
+        if not (cached / "config.json").is_file():
+            raise
+        # another process published the same copy first: keep theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_device() -> str:
