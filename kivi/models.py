@@ -80,18 +80,22 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+def _transformers_release() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _gguf_cache_dir(folder: str, gguf_file: str) -> Path:
     """Where a dequantized copy of a GGUF model is kept (loading it is ~10x faster than the GGUF).
 
     Keyed by the file's content and the transformers release that dequantizes it, not by its path:
     every virtual environment that installs the same package shares one copy.
     """
-    import transformers
-
     path = Path(folder) / gguf_file
     stat = path.stat()
     content = _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    key = hashlib.sha256(f"{content}:{transformers.__version__}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{content}:{_transformers_release()}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("KIVI_RAY_CACHE", Path.home() / ".cache" / "kivi-ray"))
     return root / f"{path.stem}-{key}"
 
