@@ -16,6 +16,9 @@ Systems (all in one process, same prompts, same random-weight bf16 model per sha
   engine-bf16    LLMEngine, paged bf16 cache, continuous batching (every prompt submitted in one generate())
   engine-kivi-4  LLMEngine, KIVI 4-bit cache
   engine-kivi-2  LLMEngine, KIVI 2-bit cache
+  <engine system>/<variant>  the same with one engine setting changed (/unfused, /projections, /sync: see
+                 engine_probe.VARIANTS), e.g. --systems engine-kivi-2,engine-kivi-2/projections for an A/B on
+                 one machine in one run
 
 How each number is measured:
   output_tokens_per_s  requested output tokens produced / wall_s. wall_s is the timed region: the whole
@@ -65,6 +68,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 from common import copy_bandwidth, env_header, log, write_json  # noqa: E402
+from engine_probe import VARIANTS, split_system  # noqa: E402
+from engine_report import TABLE_HEAD, compact, speedups, table_row  # noqa: E402
 from engine_setup import (  # noqa: E402
     MODELS,
     allocated_gib,
@@ -144,47 +149,6 @@ def run_one(model, model_name: str, system: str, workload: str, cap_gib: float, 
     return rec
 
 
-def fmt_num(x, spec: str) -> str:
-    width = int(spec.split(".")[0].rstrip("df") or 0)
-    return "-".rjust(width) if x is None else format(x, spec)
-
-
-TABLE_HEAD = (f"{'model':10} {'wl':2} {'cap':>3} {'system':14} {'tok/s':>8} {'flight':>6} {'ms/step':>8} "
-              f"{'bound':>7} {'x':>5} {'peakGiB':>7} {'done':>9} {'wall':>6}  status")
-
-
-def table_row(r: dict) -> str:
-    done = f"{r.get('num_prompts_done', '-')}/{r.get('num_prompts', '-')}"
-    return (f"{r['model']:10} {r['workload']:2} {r['cap_gib']:>3g} {r['system']:14} "
-            f"{fmt_num(r.get('output_tokens_per_s'), '8.1f')} {fmt_num(r.get('max_in_flight'), '6d')} "
-            f"{fmt_num(r.get('ms_per_decode_step'), '8.2f')} {fmt_num(r.get('decode_bound_ms'), '7.2f')} "
-            f"{fmt_num(r.get('step_over_bound'), '5.2f')} {fmt_num(r.get('peak_allocated_gib'), '7.2f')} "
-            f"{done:>9} {fmt_num(r.get('wall_s'), '6.1f')}  {r['status'][:70]}")
-
-
-SUMMARY_KEYS = ("system", "model", "workload", "cap_gib", "status", "output_tokens_per_s", "max_in_flight",
-                "peak_allocated_gib", "ms_per_decode_step", "decode_bound_ms", "num_prompts_done", "num_prompts",
-                "wall_s")
-
-
-def speedups(records: list[dict]) -> dict:
-    """engine-kivi-2 tokens/s over hf-bf16 and engine-bf16, per model/workload/cap (the issue's targets)."""
-    rate = {(r["model"], r["workload"], r["cap_gib"], r["system"]): r.get("output_tokens_per_s") for r in records}
-    out = {}
-    for (model, wl, cap, system), kivi2 in rate.items():
-        if system != "engine-kivi-2" or not kivi2:
-            continue
-        for peer in ("hf-bf16", "engine-bf16"):
-            if rate.get((model, wl, cap, peer)):
-                out[f"{model}/{wl}/{cap:g}/kivi2_over_{peer}"] = round(kivi2 / rate[(model, wl, cap, peer)], 2)
-    return out
-
-
-def compact(r: dict) -> dict:
-    out = {k: r.get(k) for k in SUMMARY_KEYS}
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
-
-
 def parse_num_prompts(text: str | None, defaults: dict) -> dict:
     if not text:
         return dict(defaults)
@@ -200,7 +164,8 @@ def parse_num_prompts(text: str | None, defaults: dict) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default: all)")
-    p.add_argument("--systems", default=None, help=f"comma list of {list(SYSTEMS)} (default: all)")
+    p.add_argument("--systems", default=None, help=f"comma list of {list(SYSTEMS)} (default: all); an engine "
+                   f"system with a suffix /{{{','.join(VARIANTS)}}} changes one engine setting (A/B in one run)")
     p.add_argument("--workloads", default=None, help="comma list of a,b,c,d,e (default: all)")
     p.add_argument("--caps", default=None, help="comma list of memory caps in GiB (default: 40,80)")
     p.add_argument("--num-prompts", default=None,
@@ -277,7 +242,8 @@ def main(argv=None) -> dict:
     systems = pick(args.systems, SMOKE_SYSTEMS if smoke else SYSTEMS)
     wl_names = pick(args.workloads, ["b", "e"] if args.quick else ["b", "d", "e"] if smoke else workloads)
     caps = [float(c) for c in pick(args.caps, ["40"] if args.quick or smoke else ["40", "80"])]
-    for name, known in ((model_names, models), (systems, SYSTEMS), (wl_names, workloads)):
+    for name, known in ((model_names, models), ([split_system(s)[0] for s in systems], SYSTEMS),
+                        (wl_names, workloads)):
         bad = [x for x in name if x not in known]
         if bad:
             sys.exit(f"unknown {bad}; choose from {list(known)}")

@@ -95,11 +95,30 @@ def build_engine(engine, requests) -> bool:
     return True
 
 
+# "<system>/<variant>" runs the system with one engine setting changed, for an A/B inside one run
+VARIANTS = {
+    "unfused": dict(fused_layers=False),  # transformers' own RMSNorm and rotary ops
+    "projections": dict(fused_projections=True),  # one q/k/v product and one gate/up product
+    "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
+}
+
+
+def split_system(system: str) -> tuple[str, str | None]:
+    """("engine-kivi-2", "projections") for "engine-kivi-2/projections"; raises ValueError on an unknown variant."""
+    name, _, variant = system.partition("/")
+    if variant and (not name.startswith("engine") or variant not in VARIANTS):
+        raise ValueError(f"system {system!r}: variants are engine-<cache>/{{{','.join(VARIANTS)}}}")
+    return name, variant or None
+
+
 def engine_config(system: str, kivi_kw: dict | None = None, **engine_kw):
-    """EngineConfig of an engine system: engine-bf16 (plain cache) or engine-kivi-<bits>."""
+    """EngineConfig of an engine system: engine-bf16 (plain cache) or engine-kivi-<bits>, optionally with a
+    /<variant> suffix (VARIANTS), which wins over engine_kw."""
     from kivi import KiviConfig
     from pipeline.actors.engine import EngineConfig
 
-    bits = None if system == "engine-bf16" else int(system.rsplit("-", 1)[1])
+    name, variant = split_system(system)
+    bits = None if name == "engine-bf16" else int(name.rsplit("-", 1)[1])
+    engine_kw.update(VARIANTS.get(variant, {}))
     return EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **(kivi_kw or {})),
                         **engine_kw)

@@ -66,6 +66,7 @@ def kv_format(model, system: str, kivi_kw: dict) -> KVFormat:
     cfg = model.config
     shape = dict(layers=cfg.num_hidden_layers, heads=cfg.num_key_value_heads,
                  head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    system = system.partition("/")[0]  # a /<variant> suffix changes the engine, not the cache
     if system.endswith("bf16"):
         return KVFormat(**shape)
     bits = int(system.rsplit("-", 1)[1])

@@ -13,9 +13,9 @@ launch gaps, so the sum is close to the graph step time (`bench_engine.py` measu
 per system and one JSON object last.
 
 --phase prefill profiles the prefills instead (from the first prefill to the first decode step) and reports
-kernel times per 1,000 prompt tokens. A system named with the suffix "/unfused" runs with
-EngineConfig.fused_layers=False (transformers' own RMSNorm and rotary ops), one with "/projections" with
-EngineConfig.fused_projections=True, for an A/B in one process.
+kernel times per 1,000 prompt tokens. A system named with a suffix runs with one engine setting changed, for
+an A/B in one process (engine_probe.VARIANTS): "/unfused" (transformers' own RMSNorm and rotary ops),
+"/projections" (one q/k/v product, one gate/up product), "/sync" (no decode-ahead).
 
 On a CPU (`--cpu-smoke`: a tiny model, reference kernels): only checks that the script runs.
 """
@@ -87,10 +87,8 @@ def profile_system(model, system: str, prompts, cap_gib: float, device: torch.de
 
     from pipeline.actors.engine import LLMEngine, Request, SamplingParams
 
-    name, _, variant = system.partition("/")
-    config = engine_config(name, memory_limit_gib=cap_gib if device.type == "cuda" else None, max_batch_size=256,
-                           cuda_graphs=False, fused_layers=variant != "unfused",
-                           fused_projections=variant == "projections")
+    config = engine_config(system, memory_limit_gib=cap_gib if device.type == "cuda" else None, max_batch_size=256,
+                           cuda_graphs=False)
     engine = LLMEngine(model, StubTokenizer(), config)
     engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=3))])  # compile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
