@@ -1,0 +1,84 @@
+"""kernel_sweep's plans: which decode-attention variants run on which shapes, one plan per question asked of
+the GPU (the notes in benchmarks/results/kernel_notes.md say what each answered)."""
+
+from __future__ import annotations
+
+
+def plan(name: str):
+    """[(shape, [variant, ...]), ...]; shape = (B, L, Hq, H), variant = (impl, bits, tuning)."""
+    if name == "profile":
+        grid = []
+        for bn, nw, ns, lazy in [(128, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True), (64, 4, 3, True),
+                                 (64, 4, 2, True), (64, 4, 4, True), (64, 4, 3, False), (64, 8, 3, True),
+                                 (32, 4, 3, True), (32, 2, 3, True), (32, 1, 3, True), (16, 1, 3, True)]:
+            grid.append(("new", 2, dict(block_n=bn, num_warps=nw, num_stages=ns, lazy=lazy)))
+        out = []
+        for B, L in [(8, 4096), (64, 4096), (8, 32768)]:
+            for Hq, H in [(32, 32), (32, 8)]:
+                vs = [("v1", 2, {})] + grid
+                vs += [("new", 2, dict(block_n=64, num_warps=4, num_stages=3, lazy=True, per_sm=p)) for p in (2, 8)]
+                vs += [("v1", 4, {}), ("new", 4, dict(block_n=64, num_warps=4, num_stages=3, lazy=True))]
+                out.append(((B, L, Hq, H), vs))
+        long = [("v1", 2, {})] + [("new", 2, dict(block_n=bn, num_warps=nw, num_stages=3, lazy=True, num_splits=s))
+                                  for bn, nw in [(64, 4), (128, 4)] for s in (16, 32, 64)]
+        out.append(((1, 131072, 32, 32), long))
+        out.append(((1, 131072, 32, 8), long))
+        return out
+    if name == "diag":
+        grid = [("new", 2, dict(block_n=bn, num_warps=nw, num_stages=ns, lazy=True, key_vec=kv))
+                for bn, nw in [(128, 4), (64, 4), (32, 2), (32, 1)] for ns in (2, 3) for kv in (1, 4)]
+        grid += [("new", 2, dict(block_n=64, num_warps=4, num_stages=2, lazy=True, key_vec=2)),
+                 ("new", 2, dict(block_n=32, num_warps=1, num_stages=2, lazy=False, key_vec=1))]
+        out = []
+        for B, L, Hq, H in [(8, 4096, 32, 32), (64, 4096, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8),
+                            (8, 32768, 32, 8)]:
+            vs = [("v1", 2, {})] + grid + [("v1", 4, {})]
+            vs += [("new", 4, dict(block_n=bn, num_warps=nw, num_stages=2, lazy=True, key_vec=kv))
+                   for bn, nw in [(128, 4), (64, 4), (32, 1)] for kv in (1, 4)]
+            out.append(((B, L, Hq, H), vs))
+        long = [("v1", 2, {})] + [("new", 2, dict(block_n=bn, num_warps=nw, num_stages=2, lazy=True, key_vec=kv,
+                                                   num_splits=s))
+                                  for bn, nw in [(64, 4), (32, 1)] for kv in (1, 4) for s in (16, 32, 64)]
+        out.append(((1, 131072, 32, 32), long))
+        out.append(((1, 131072, 32, 8), long))
+        return out
+    if name == "swap":  # the swapped-operand loop (kernel_swap.py) against the tensor-core table
+        def vs(extra=()):
+            return ([("new", 2, dict(swap_ab=False)), ("new", 2, dict(swap_ab=True))]
+                    + [("new", 2, dict(swap_ab=True, per_sm=p)) for p in (4, 16)] + list(extra))
+        out = [((B, L, Hq, H), vs()) for B, L, Hq, H in [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32),
+                                                        (128, 1024, 32, 32), (64, 4096, 32, 8), (8, 32768, 32, 8)]]
+        out.append(((1, 131072, 32, 32), [("new", 2, dict(swap_ab=False))]
+                    + [("new", 2, dict(swap_ab=True, num_splits=s)) for s in (64, 132, 264)]))
+        return out
+    if name == "fma":  # the Gluon FMA kernel (kernel_gluon.py, one query head per KV head) against the table
+        def vs():
+            return [("new", 2, {})] + [("new", 2, dict(fma=True, block_n=bn, maxnreg=r, per_sm=p))
+                                       for bn, r, p in [(128, None, 16), (64, None, 16), (64, 168, 24), (64, 128, 32),
+                                                        (128, 168, 24)]]
+        out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1024), (8, 32768)]]
+        long = [("new", 2, {})] + [("new", 2, dict(fma=True, block_n=bn, maxnreg=r, num_splits=128))
+                                   for bn, r in [(128, None), (64, None), (64, 168), (64, 128)]]
+        out.append(((1, 131072, 32, 32), long))
+        return out
+    if name == "async":  # the FMA kernel with cp.async stages (its default) against the plain loop
+        def vs():
+            return ([("new", 2, dict(fma=True, cp_async=False, maxnreg=128, per_sm=32))]
+                    + [("new", 2, dict(fma=True, cp_async=True, per_sm=p)) for p in (24, 48, 96)])
+        out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1152), (256, 4096), (8, 32768)]]
+        out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, cp_async=False, maxnreg=128, num_splits=128))]
+                    + [("new", 2, dict(fma=True, cp_async=True, num_splits=s)) for s in (128, 192)]))
+        return out
+    if name == "caps":  # register caps for the cp.async loop: 168 (12 warps/SM), 152 (13), 144 (14, the default now)
+        def vs():
+            return [("new", 2, dict(fma=True, maxnreg=r, per_sm=p)) for r, p in
+                    [(168, 48), (152, 48), (152, 52), (144, 48), (144, 56)]]
+        out = [((B, L, 32, 32), vs()) for B, L in [(8, 4096), (64, 4096), (128, 1152), (256, 4096), (8, 32768)]]
+        out.append(((1, 131072, 32, 32), [("new", 2, dict(fma=True, maxnreg=r, num_splits=128))
+                                          for r in (168, 152, 144)]))
+        return out
+    if name == "small":  # small MHA calls: the tensor-core table (the default below FMA_MIN_WORK) against FMA
+        return [((B, L, 32, 32), [("new", 2, {}), ("new", 2, dict(fma=True))])
+                for B, L in [(1, 512), (1, 2048), (1, 4096), (1, 16384), (2, 4096), (4, 2048), (8, 512), (8, 1024),
+                             (16, 512), (32, 512)]]
+    raise SystemExit(f"unknown plan {name}")
