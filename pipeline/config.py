@@ -119,6 +119,10 @@ class JobConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
+# what decides an output row: a rerun into an output made with other values would mix rows of two jobs
+OUTPUT_SETTINGS = ("input", "split", "prompt_template", "chat", "model", "gguf_file", "dtype", "max_new_tokens",
+                   "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "kivi", "kv_bits", "group_size",
+                   "residual_length", "max_model_len", "hf_shard_rows")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -180,4 +184,6 @@ def _check_type(name: str, value: Any) -> None:
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
     if not ok:
-        raise ValueError(f"{name} must be a {expected.__name__}, got {value!r}")
+        kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        kind = kinds.get(expected, expected.__name__)
+        raise ValueError(f"{name} must be {kind}, got {value!r}")

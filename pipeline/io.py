@@ -23,7 +23,9 @@ import pyarrow.parquet as pq
 from pipeline.config import JobConfig, template_fields
 
 SAMPLE_PROMPTS = Path(__file__).parent / "data" / "sample_prompts.parquet"
-OUTPUT_COLUMNS = ("generated_text", "num_input_tokens", "num_generated_tokens", "finish_reason", "error")
+OUTPUT_TYPES = {"generated_text": pa.string(), "num_input_tokens": pa.int64(), "num_generated_tokens": pa.int64(),
+                "finish_reason": pa.string(), "error": pa.string()}
+OUTPUT_COLUMNS = tuple(OUTPUT_TYPES)
 CONSUMED_COLUMNS = ("prompt", "messages", "sampling_params")  # read by the actor, not passed through
 HF_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 GLOB_CHARS = "*?["
@@ -57,6 +59,12 @@ class InputPlan:
     def passthrough(self) -> list[str]:
         return [c for c in self.schema.names if c not in CONSUMED_COLUMNS and c != "id"]
 
+    def output_schema(self) -> pa.Schema:
+        """Columns of an output shard: id, the passthrough columns as read, the generated columns."""
+        id_type = self.schema.field("id").type if self.has_id else pa.string()
+        return pa.schema([("id", id_type), *((c, self.schema.field(c).type) for c in self.passthrough()),
+                          *OUTPUT_TYPES.items()])
+
 
 def filesystem(url: str, endpoint_url: str | None = None) -> tuple[Any, str]:
     """(fsspec filesystem, path inside it) for a local path or an s3:// URL."""
@@ -79,6 +87,8 @@ def plan_input(cfg: JobConfig) -> InputPlan:
         is_hf = not _has_glob(path) and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: name the path
         raise ValueError(f"cannot read input {url!r}: {e}") from None
+    if cfg.split is not None and not is_hf:
+        raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; input {url!r} is Parquet")
     plan = _plan_hf(url, cfg) if is_hf else _plan_parquet(fs, path, url)
     plan.source = prompt_source(plan.schema.names, cfg, url)
     return plan
@@ -114,6 +124,7 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
     for f, (s, _) in zip(files, metas, strict=True):
         if set(s.names) != set(schema.names):
             raise ValueError(f"input file {f!r} has columns {s.names}, but {files[0]!r} has {schema.names}")
+        _check_types(schema, s, files[0], f)
     names = [_shard_name(f, root) for f in files]
     seen: dict[str, str] = {}
     for name, f in zip(names, files, strict=True):
@@ -122,6 +133,24 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
         seen[name] = f
     shards = [Shard(n, rows, path=f) for n, f, (_, rows) in zip(names, files, metas, strict=True)]
     return InputPlan("parquet", shards, schema, source="", filesystem=fs)
+
+
+def _check_types(first: pa.Schema, other: pa.Schema, first_file: str, file: str) -> None:
+    """Columns of the same name must merge as Ray Data reads the files (an all-null column merges with any)."""
+    try:
+        pa.unify_schemas([first, other])
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        bad = [n for n in first.names if not _types_merge(first.field(n).type, other.field(n).type)]
+        detail = ", ".join(f"{n!r} is {other.field(n).type} there but {first.field(n).type}" for n in bad)
+        raise ValueError(f"input file {file!r} has column types that differ from {first_file!r}: {detail}") from None
+
+
+def _types_merge(a: pa.DataType, b: pa.DataType) -> bool:
+    try:
+        pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])])
+        return True
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return False
 
 
 def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -14,7 +15,7 @@ import pyarrow.compute as pc
 
 from pipeline import stats
 from pipeline.actors.actor import GenerateActor, model_location
-from pipeline.config import JobConfig
+from pipeline.config import OUTPUT_SETTINGS, JobConfig
 from pipeline.io import InputPlan, Shard, plan_input, read_dataset
 from pipeline.sink import OutputStore, ShardAssembler
 
@@ -29,8 +30,11 @@ def run(job: JobConfig) -> dict[str, Any]:
     check_model(job)
     store = OutputStore(job.output, job.s3_endpoint_url)
     store.prepare()
-    done = set() if job.overwrite else store.completed()
+    done = set() if job.overwrite else store.completed() & {s.name for s in plan.shards}
     todo = [s for s in plan.shards if s.name not in done]
+    settings = {k: v for k, v in job.to_dict().items() if k in OUTPUT_SETTINGS}
+    if done:
+        check_resume(settings, store.read_json(store.job_path()), job.output)
     log.info(
         "input %s: %d shards, %d rows (%s prompts); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",
@@ -41,6 +45,10 @@ def run(job: JobConfig) -> dict[str, Any]:
         job.output,
         len(todo),
     )
+    if not todo:  # the output's summary stays that of the run that made it
+        log.info("nothing to do: every shard is complete in %s (--overwrite redoes them)", job.output)
+        return stats.summarize([], [], time.perf_counter() - start, len(plan.shards), shards_done=0)
+    store.write_text(store.job_path(), json.dumps(settings, indent=2))
     assembler = ShardAssembler(plan, todo, store, job_info(job))
     if any(s.num_rows for s in todo):
         try:
@@ -49,7 +57,8 @@ def run(job: JobConfig) -> dict[str, Any]:
             raise RuntimeError(f"generation failed: {e}") from e
     assembler.finish()
     summary = stats.summarize(
-        assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo)
+        assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo),
+        shards_done=assembler.shards_written,
     )
     log.info("%s", stats.format_summary(summary))
     store.write_text(store.summary_path(), stats.summary_json(summary, job.to_dict()))
@@ -57,17 +66,34 @@ def run(job: JobConfig) -> dict[str, Any]:
     return summary
 
 
-def check_model(job: JobConfig) -> None:
-    """A local model folder must exist and hold the GGUF file; a hub id is left to the loader."""
-    model, gguf_file = model_location(job)
-    if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
-        raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
-    if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):
-        raise ValueError(f"model folder {model!r} not found")
-    if job.kivi and os.path.isdir(os.path.expanduser(model)):  # a hub id is checked by the loader
-        import kivi
+def check_resume(settings: dict[str, Any], previous: dict[str, Any] | None, output: str) -> None:
+    """ValueError when the shards already complete in `output` were made with other row-deciding settings."""
+    if previous is None:  # written by a version without _stats/job.json: nothing to compare
+        return
+    changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
+    if changed:
+        raise ValueError(
+            f"output {output!r} holds shards made with other settings ({'; '.join(changed)}): resuming would mix "
+            "rows of two jobs; rerun with the same settings, --overwrite to redo every shard, or a new --output"
+        )
 
-        config = kivi.models.model_config(os.path.expanduser(model), gguf_file).get_text_config()
+
+def check_model(job: JobConfig) -> None:
+    """The model's config must load (a local folder with its GGUF file, or a hub id the driver can reach) and,
+    with the KIVI cache, be a supported model type."""
+    import kivi
+
+    model, gguf_file = model_location(job)
+    folder = os.path.expanduser(model)
+    if gguf_file is not None and not os.path.isfile(os.path.join(folder, gguf_file)):
+        raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
+    if model.startswith((".", "/", "~")) and not os.path.isdir(folder):
+        raise ValueError(f"model folder {model!r} not found")
+    try:
+        config = kivi.models.model_config(folder if os.path.isdir(folder) else model, gguf_file).get_text_config()
+    except (OSError, ValueError) as e:  # no such hub id, no network, no config.json: one line, before Ray starts
+        raise ValueError(f"cannot load the config of model {model!r}: {str(e).splitlines()[0]}") from None
+    if job.kivi:
         kivi.check_supported(config)
         job.kivi_config().check_head_dim(kivi.models.kv_shape(config)[2])
 

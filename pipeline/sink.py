@@ -4,12 +4,14 @@ Layout under the output root:
     <shard>.parquet            the shard's output rows, in input order
     _stats/<shard>.parquet     its stats rows (one per actor that worked on it)
     _stats/summary.json        the last run's summary
+    _stats/job.json            the settings that decide the rows (a rerun that resumes must match them)
 A shard is complete when `<shard>.parquet` exists: it appears only once fully written, and its
 stats are written before it.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 import uuid
 from collections.abc import Callable
@@ -52,6 +54,17 @@ class OutputStore:
 
     def summary_path(self) -> str:
         return posixpath.join(self.root, STATS_DIR, "summary.json")
+
+    def job_path(self) -> str:
+        return posixpath.join(self.root, STATS_DIR, "job.json")
+
+    def read_json(self, path: str) -> dict[str, Any] | None:
+        """The JSON object at `path`, or None if there is none."""
+        try:
+            with self.fs.open(path, "r") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
 
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""
@@ -109,7 +122,7 @@ class ShardAssembler:
     def _write(self, shard: Shard) -> None:
         table = pa.concat_tables(self.parts, promote_options="permissive") if self.parts else None
         if table is None or table.num_rows == 0:
-            table = pa.table({c: pa.array([], pa.string()) for c in ("id", *OUTPUT_COLUMNS)})
+            table = self.plan.output_schema().empty_table()  # the same columns as every other shard
             rows: list[dict[str, Any]] = []
         else:
             rows = stats.shard_stats(shard.name, table, self.job_info)

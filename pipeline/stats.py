@@ -115,13 +115,15 @@ def stats_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
 
 
-def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, shards_skipped: int) -> dict[str, Any]:
-    """Totals of this run over its stats rows; wall_s is the driver's time from start to last write."""
+def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, shards_skipped: int,
+              shards_done: int | None = None) -> dict[str, Any]:
+    """Totals of this run over its stats rows; wall_s is the driver's time from start to last write.
+    shards_done: shards written (default: those with stats rows; an empty input file has none)."""
     out_tokens = sum(r["total_output_tokens"] for r in rows)
     peak = max(rows, key=lambda r: r["kv_cache_bytes"], default=None)  # both sizes from the same moment
     kv, kv_bf16 = (peak["kv_cache_bytes"], peak["kv_cache_bytes_bf16"]) if peak else (0, 0)
     return {
-        "shards_done": len({r["shard"] for r in rows}),
+        "shards_done": len({r["shard"] for r in rows}) if shards_done is None else shards_done,
         "shards_skipped": shards_skipped,
         "actors": len({r["actor_id"] for r in rows}),
         "num_requests": sum(r["num_requests"] for r in rows),

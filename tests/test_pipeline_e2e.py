@@ -186,6 +186,11 @@ def test_no_kivi_baseline_and_overwrite(chat_job):
     assert st["kv_bits"] == 16 and st["group_size"] is None
     assert st["kv_cache_bytes"] > 0 and st["kv_cache_bytes"] == st["kv_cache_bytes_bf16"]
     before = os.stat(out / "c.parquet").st_mtime_ns
+    summary = (out / "_stats/summary.json").read_text()
+    assert main([*argv, "--temperature", "0.5"]) == 2  # other sampling: resuming would mix two jobs' rows
+    run(*argv)  # nothing to do: the output and its summary stay as they are
+    assert os.stat(out / "c.parquet").st_mtime_ns == before
+    assert (out / "_stats/summary.json").read_text() == summary
     run(*argv, "--overwrite")
     assert os.stat(out / "c.parquet").st_mtime_ns != before
 
@@ -236,21 +241,16 @@ def test_s3_input_and_output(ray_local, s3_endpoint):
     for name, rows in {"p0": ["Say yes.", "Say no."], "p1": ["Name a colour."]}.items():
         with fs.open(f"{BUCKET}/in/{name}.parquet", "wb") as f:
             pq.write_table(pa.table({"prompt": rows, "k": [name] * len(rows)}), f)
-    run(
-        "--input",
-        f"s3://{BUCKET}/in/",
-        "--output",
-        f"s3://{BUCKET}/out",
-        "--s3-endpoint-url",
-        s3_endpoint,
-        "--chat",
-        "--max-new-tokens",
-        "3",
-    )
+    argv = ["--input", f"s3://{BUCKET}/in/", "--output", f"s3://{BUCKET}/out", "--s3-endpoint-url", s3_endpoint,
+            "--chat", "--max-new-tokens", "3"]
+    run(*argv)
     fs.invalidate_cache()
     files = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"{BUCKET}/out"))
-    assert files == ["p0.parquet", "p0.parquet", "p1.parquet", "p1.parquet", "summary.json"]
+    assert files == ["job.json", "p0.parquet", "p0.parquet", "p1.parquet", "p1.parquet", "summary.json"]
     with fs.open(f"{BUCKET}/out/p0.parquet", "rb") as f:
         p0 = pq.read_table(f).to_pylist()
     assert [r["id"] for r in p0] == ["p0-0", "p0-1"] and {r["k"] for r in p0} == {"p0"}
     assert all(r["finish_reason"] in ("stop", "length") and r["generated_text"] for r in p0)
+    # a rerun reads the settings back from the store: the same ones resume (nothing to do), others are refused
+    run(*argv)
+    assert main([*argv, "--max-new-tokens", "4"]) == 2

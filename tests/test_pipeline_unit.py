@@ -360,8 +360,11 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
     assert st[0]["total_input_tokens"] == 2 and st[0]["total_output_tokens"] == 2
     assert st[0]["kv_cache_bytes"] / st[0]["kv_cache_bytes_bf16"] == 0.25
     assert pq.read_table(store.stats_path("c")).num_rows == 0
-    summary = stats.summarize(asm.stats_rows, asm.ttfts_ms, 1.0, 0)
-    assert summary["num_requests"] == 4 and summary["shards_done"] == 2
+    # the empty shard has every column, typed as in the others: reading the folder as one table keeps them all
+    assert pq.read_table(store.shard_path("c")).schema == a.schema == plan.output_schema()
+    assert pq.read_table(str(tmp_path / "out")).schema == a.schema
+    summary = stats.summarize(asm.stats_rows, asm.ttfts_ms, 1.0, 0, shards_done=asm.shards_written)
+    assert summary["num_requests"] == 4 and summary["shards_done"] == 3
     assert st[0]["actor_start_s"] == actor.start_s > 0 and st[0]["engine_build_s"] is None  # fake: no build
     assert summary["max_actor_start_s"] == actor.start_s and summary["max_engine_build_s"] is None
     (tmp_path / "out" / ".a.parquet.123.tmp").write_bytes(b"partial")  # a crashed write never counts

@@ -1,0 +1,128 @@
+"""Checks that stop a job before Ray starts, with one line naming the problem: column types that differ
+between input files, --split on Parquet, a model whose config cannot load, a rerun into an output made
+with other settings; and a rerun with nothing to do leaving the output as it is. No Ray, no weights."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.generate import main
+from pipeline.actors.actor import model_location
+from pipeline.actors.engine import SamplingParams
+from pipeline.config import OUTPUT_SETTINGS, JobConfig, build
+from pipeline.io import plan_input
+from pipeline.run import run
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """A model folder holding only a config: enough for every check made before Ray starts."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def write(path, **columns) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), str(path))
+
+
+def test_column_types_must_merge_across_files(tmp_path):
+    n = random.randint(1, 5)
+    write(tmp_path / "in/a.parquet", prompt=["p"] * n, x=pa.array(range(n), pa.int64()))
+    write(tmp_path / "in/b.parquet", prompt=["q"], x=pa.array(["seven"]))
+    with pytest.raises(ValueError, match=r"b\.parquet.*'x' is string there but int64"):
+        plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
+    # an all-null column merges with any type, as Ray Data reads it
+    write(tmp_path / "in/b.parquet", prompt=["q"], x=pa.array([None], pa.null()))
+    assert [s.num_rows for s in plan_input(JobConfig(output="o", input=str(tmp_path / "in"))).shards] == [n, 1]
+
+
+def test_split_is_for_a_dataset_dict(tmp_path):
+    write(tmp_path / "a.parquet", prompt=["p"])
+    with pytest.raises(ValueError, match="split='train' applies to a saved Hugging Face DatasetDict"):
+        plan_input(JobConfig(output="o", input=str(tmp_path / "a.parquet"), split="train"))
+
+
+def test_gguf_file_as_model():
+    assert model_location(JobConfig(output="o", model="/m/x/SmolLM2.Q4_1.gguf")) == ("/m/x", "SmolLM2.Q4_1.gguf")
+    assert model_location(JobConfig(output="o", model="x.gguf")) == (".", "x.gguf")
+    assert model_location(JobConfig(output="o", model="/m/x", gguf_file="y.gguf")) == ("/m/x", "y.gguf")
+
+
+def test_model_without_a_config_fails_before_ray(tmp_path, capsys):
+    (tmp_path / "not-a-model").mkdir()
+    code = main(["--output", str(tmp_path / "out"), "--model", str(tmp_path / "not-a-model"), "--no-kivi"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot load the config of model" in err[0]
+
+
+def complete_output(tmp_path, job: JobConfig) -> None:
+    """An output whose one shard was made by `job`."""
+    write(tmp_path / "out/a.parquet", id=["a-0"], generated_text=["done"])
+    settings = {k: v for k, v in job.to_dict().items() if k in OUTPUT_SETTINGS}
+    (tmp_path / "out/_stats").mkdir(exist_ok=True)
+    (tmp_path / "out/_stats/job.json").write_text(json.dumps(settings))
+    (tmp_path / "out/_stats/summary.json").write_text('{"summary": "of the run that made it"}')
+
+
+@pytest.mark.parametrize("change", [
+    {"max_new_tokens": 3}, {"temperature": 0.7}, {"stop": ["\n"]}, {"kv_bits": 4}, {"kivi": False}, {"seed": 1},
+])
+def test_resume_with_other_settings_is_refused(tmp_path, tiny_model, change):
+    write(tmp_path / "in/a.parquet", prompt=["p"])
+    base = dict(output=str(tmp_path / "out"), input=str(tmp_path / "in"), model=tiny_model)
+    complete_output(tmp_path, JobConfig(**base))
+    key = next(iter(change))
+    with pytest.raises(ValueError, match=rf"other settings \({key} "):
+        run(build({}, {**base, **change}))
+    run(build({}, {**base, "batch_size": 7, "actors": 3}))  # settings that do not decide rows may change
+
+
+def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):
+    write(tmp_path / "in/a.parquet", prompt=["p"])
+    job = JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in"), model=tiny_model)
+    complete_output(tmp_path, job)
+    summary = run(job)
+    assert (summary["shards_done"], summary["shards_skipped"], summary["num_requests"]) == (0, 1, 0)
+    assert json.loads((tmp_path / "out/_stats/summary.json").read_text()) == {"summary": "of the run that made it"}
+
+
+def test_output_written_before_job_json_resumes_unchecked(tmp_path, tiny_model):
+    write(tmp_path / "in/a.parquet", prompt=["p"])
+    complete_output(tmp_path, JobConfig(output="o"))
+    (tmp_path / "out/_stats/job.json").unlink()
+    run(JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in"), model=tiny_model, max_new_tokens=5))
+
+
+@pytest.mark.parametrize("bad", [{"seed": True}, {"max_new_tokens": True}, {"top_k": False}, {"temperature": "0.5"},
+                                 {"top_p": True}])
+def test_sampling_params_reject_booleans_and_strings(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams.from_dict(bad)
+
+
+def test_config_type_errors_read_plainly():
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer, got 'four'"):
+        build({"max_new_tokens": "four"}, {"output": "o"})
+    with pytest.raises(ValueError, match="kivi must be true or false, got 'no'"):
+        build({"kivi": "no"}, {"output": "o"})
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    import pipeline.run
+
+    def interrupted(job):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.run, "run", interrupted)
+    assert main(["--output", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted" in err[0] and "resume" in err[0]
