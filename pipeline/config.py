@@ -46,7 +46,7 @@ class JobConfig:
     # engine and actors
     actors: int | None = None  # None: the cluster's GPUs / gpus_per_actor, or 1 CPU actor without GPUs
     gpus_per_actor: float = 1.0  # a fraction shares a GPU between actors (each plans for its share of memory)
-    batch_size: int = 64  # rows per actor call (map_batches batch_size)
+    batch_size: int | None = None  # rows per actor call (map_batches batch_size); None: pipeline.run.rows_per_call
     max_batch_size: int = 256  # sequences the engine decodes together
     gpu_memory_utilization: float = 0.90
     max_model_len: int | None = None
@@ -68,7 +68,8 @@ class JobConfig:
             raise ValueError(f"kv_bits must be one of {SUPPORTED_BITS}, got {self.kv_bits!r}")
         if self.gguf_file is not None and self.model is None:
             raise ValueError(f"gguf_file={self.gguf_file!r} needs --model, the folder that holds it")
-        _positive("batch_size", self.batch_size)
+        if self.batch_size is not None:
+            _positive("batch_size", self.batch_size)
         _positive("max_batch_size", self.max_batch_size)
         _positive("hf_shard_rows", self.hf_shard_rows)
         _positive("max_new_tokens", self.max_new_tokens)

@@ -128,6 +128,13 @@ def cpu_share(cpus: float, actors: int) -> float:
     return share
 
 
+def rows_per_call(total: int, pool: int, max_batch_size: int) -> int:
+    """Rows per actor call when --batch-size is not given. An actor's engine decodes the rows of one call at a
+    time, so a call holds several full engine batches (the engine stays wide until the call's last rows drain),
+    unless that would leave actors of the pool without a call."""
+    return max(1, min(4 * max_batch_size, math.ceil(total / pool)))
+
+
 def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: ShardAssembler) -> None:
     import ray
     import ray.data
@@ -137,18 +144,20 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     total = sum(s.num_rows for s in shards)
     gpus, cpus = int(ray.cluster_resources().get("GPU", 0)), ray.cluster_resources().get("CPU", 1)
     per_actor = job.gpus_per_actor
-    size = min(job.actors or int(gpus / per_actor) or 1, math.ceil(total / job.batch_size))
+    pool = job.actors or int(gpus / per_actor) or 1
+    batch_size = job.batch_size or rows_per_call(total, pool, job.max_batch_size)
+    size = min(pool, math.ceil(total / batch_size))
     resources = {"num_gpus": per_actor} if gpus else {"num_cpus": cpu_share(cpus, size)}
     if gpus and size * per_actor > gpus:
         log.warning("%d actors of %g GPU each on a cluster with %d GPUs: the rest wait for GPUs", size, per_actor, gpus)
-    log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, job.batch_size)
+    log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, batch_size)
     # streaming repartition into blocks of one actor call each: actors take blocks, so a few large
     # blocks (small inputs are read into one) would leave the rest of the pool idle
-    ds = read_dataset(plan, shards).repartition(target_num_rows_per_block=job.batch_size).map_batches(
+    ds = read_dataset(plan, shards).repartition(target_num_rows_per_block=batch_size).map_batches(
         GenerateActor,
         fn_constructor_kwargs={"job": job.to_dict(), "source": plan.source},
         compute=ray.data.ActorPoolStrategy(size=size),
-        batch_size=job.batch_size,
+        batch_size=batch_size,
         batch_format="pyarrow",
         **resources,
     )

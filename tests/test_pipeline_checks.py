@@ -126,3 +126,16 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
     assert main(["--output", str(tmp_path / "out")]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "interrupted" in err[0] and "resume" in err[0]
+
+
+@pytest.mark.parametrize("total", [1, 7, 32, 1000, 5000, 100_000])
+@pytest.mark.parametrize("pool", [1, 2, 8])
+@pytest.mark.parametrize("width", [4, 256])
+def test_rows_per_call_keeps_the_engine_wide_and_the_pool_busy(total, pool, width):
+    from pipeline.run import rows_per_call
+
+    rows = rows_per_call(total, pool, width)
+    assert 1 <= rows <= 4 * width  # a bounded call: resume, progress and the driver's memory stay fine-grained
+    calls = -(-total // rows)
+    assert calls >= min(pool, total)  # every actor of the pool gets a call
+    assert rows >= min(4 * width, total // pool)  # and each call as many rows as that allows, to keep it wide
