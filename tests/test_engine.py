@@ -107,6 +107,32 @@ def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
     assert not engine.cache.scratch  # and gave its scratch back
 
 
+def test_prefill_batches_group_prompts_of_similar_length(tiny, monkeypatch):
+    """Prefill batches are padded to their longest prompt: long and short prompts arriving interleaved must not
+    share batches (no row is padded past twice its length, and the total waste is at most the spread of each
+    group's lengths per row)."""
+    from pipeline.actors.engine.model_runner import ModelRunner
+
+    padded = []
+    real = ModelRunner.prefill
+
+    def spy(self, prompts, slots, chunk_tokens=None):
+        widths = [len(p) for p in prompts]
+        assert 2 * min(widths) >= max(widths), widths  # no row padded past twice its length
+        padded.append(max(widths) * len(prompts))
+        return real(self, prompts, slots, chunk_tokens)
+
+    monkeypatch.setattr(ModelRunner, "prefill", spy)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    long = torch.randint(100, 121, (6,), generator=gen).tolist()
+    short = torch.randint(3, 11, (18,), generator=gen).tolist()
+    lengths = [n for i in range(6) for n in (long[i], *short[3 * i : 3 * i + 3])]  # long, short, short, short, ...
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=8, max_prefill_tokens=256))
+    out = engine.generate(requests(lengths, [2] * len(lengths)))
+    assert all(len(c.token_ids) == 2 for c in out)
+    assert sum(padded) <= sum(lengths) + 20 * len(long) + 7 * len(short), (padded, lengths)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
     params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
@@ -210,7 +236,7 @@ def run_with_failing_prefill(engine, monkeypatch, reqs, fails) -> list:
 
 def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
-    reqs = requests([12, 30, 7, 19], [10, 10, 10, 10])
+    reqs = requests([22, 30, 17, 19], [10, 10, 10, 10])  # within 2x of each other: one prefill batch
     tried = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda prompts, call: call == 1)
     calls = [len(p) for p in tried]
     assert engine.stats()["oom_retries"] == 1 and calls[0] == 4 and max(calls[1:]) < 4

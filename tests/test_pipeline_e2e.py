@@ -254,3 +254,20 @@ def test_s3_input_and_output(ray_local, s3_endpoint):
     # a rerun reads the settings back from the store: the same ones resume (nothing to do), others are refused
     run(*argv)
     assert main([*argv, "--max-new-tokens", "4"]) == 2
+
+
+def test_default_job_of_the_quick_start(ray_local, tmp_path):
+    """The README's first command (no --input, no --model): the shipped samples through SmolLM2, whose long
+    read-and-answer prompts leave most of their cache in the 2-bit store."""
+    run("--output", str(tmp_path / "out"), "--max-new-tokens", "4")
+    out = read(tmp_path / "out/sample_prompts.parquet")
+    source = read(os.path.join(REPO, "pipeline/data/sample_prompts.parquet"))
+    assert out.column_names == ["id", "category", *OUTPUT_COLUMNS]
+    assert out["id"].to_pylist() == source["id"].to_pylist() and out.num_rows == 36
+    rows = out.to_pylist()
+    assert all(r["finish_reason"] in ("stop", "length") and r["error"] is None for r in rows)
+    assert all(r["generated_text"] or r["num_generated_tokens"] <= 1 for r in rows)
+    assert {r["category"] for r in rows if r["num_input_tokens"] > 256} == {"read"}
+    summary = json.loads((tmp_path / "out/_stats/summary.json").read_text())["summary"]
+    assert summary["num_requests"] == 36 and summary["num_failed"] == 0
+    assert 0.5 < summary["kv_cache_ratio"] < 0.95  # the long prompts' cache is mostly packed

@@ -1,7 +1,7 @@
 """LLMEngine: continuous batching over the paged KIVI (or bf16) cache.
 
-Each loop iteration either prefills newly admitted requests (as many as have a free slot and
-pages for their whole length, up to a token budget) or runs one decode step for every sequence in
+Each loop iteration either prefills newly admitted requests (longest prompts first, as many as have a free
+slot and pages for their whole length, up to a padded-token budget) or runs one decode step for every sequence in
 flight. A finished sequence frees its slot and pages at once, and the next waiting request takes them.
 """
 
@@ -154,7 +154,9 @@ class LLMEngine:
             seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room)))
         if seqs and self.runner is None:
             self._build(seqs)
-        for seq in seqs:
+        # longest prompts first: prefill batches are padded to their longest prompt, so neighbours of similar
+        # length waste little (a mixed RAG batch in arrival order padded 2,465 prompt tokens to 11,124)
+        for seq in sorted(seqs, key=lambda s: -s.prompt_len):
             if not self.blocks.fits_ever(seq):
                 results[seq.index] = self._error(seq.request, "request does not fit the cache")
             else:

@@ -26,15 +26,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def next_prefill(self) -> list[Sequence]:
-        """Admit waiting sequences in order while they fit; their padded batch stays under the budget."""
+        """Admit waiting sequences in order while they fit; their padded batch stays under the budget, and no
+        prompt in it is under half the batch's longest."""
         batch: list[Sequence] = []
         while self.waiting and self.blocks.can_admit(self.waiting[0]) and (
             len(self.running) + len(batch) < self.max_running
         ):
             seq = self.waiting[0]
-            width = max([s.prompt_len for s in batch] + [seq.prompt_len])
-            if batch and width * (len(batch) + 1) > self.prefill_tokens:
+            lengths = [s.prompt_len for s in batch] + [seq.prompt_len]
+            if batch and max(lengths) * len(lengths) > self.prefill_tokens:
                 break
+            if batch and 2 * min(lengths) < max(lengths):  # a row padded past twice its length: the engine queues
+                break  # prompts longest first, so the next batch takes this one soon
             self.blocks.admit(self.waiting.popleft())
             batch.append(seq)
         return batch
