@@ -72,8 +72,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jobs.generate
     config_file = args.pop("config", None)
     try:
         job = build(load_yaml(config_file) if config_file else {}, args)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # a bad value, not a bad command line: one line, like every other early error
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     _setup_logging()
     from pipeline.run import run
 

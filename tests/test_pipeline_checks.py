@@ -139,3 +139,10 @@ def test_rows_per_call_keeps_the_engine_wide_and_the_pool_busy(total, pool, widt
     calls = -(-total // rows)
     assert calls >= min(pool, total)  # every actor of the pool gets a call
     assert rows >= min(4 * width, total // pool)  # and each call as many rows as that allows, to keep it wide
+
+
+@pytest.mark.parametrize("argv", [["--kv-bits", "3"], ["--max-new-tokens", "0"], ["--temperature", "-1"]])
+def test_bad_values_are_one_line(tmp_path, capsys, argv):
+    assert main(["--output", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m jobs.generate: error:")
