@@ -242,8 +242,11 @@ def main(argv=None) -> dict:
     systems = pick(args.systems, SMOKE_SYSTEMS if smoke else SYSTEMS)
     wl_names = pick(args.workloads, ["b", "e"] if args.quick else ["b", "d", "e"] if smoke else workloads)
     caps = [float(c) for c in pick(args.caps, ["40"] if args.quick or smoke else ["40", "80"])]
-    for name, known in ((model_names, models), ([split_system(s)[0] for s in systems], SYSTEMS),
-                        (wl_names, workloads)):
+    try:
+        bases = [split_system(s)[0] for s in systems]
+    except ValueError as err:
+        sys.exit(str(err))
+    for name, known in ((model_names, models), (bases, SYSTEMS), (wl_names, workloads)):
         bad = [x for x in name if x not in known]
         if bad:
             sys.exit(f"unknown {bad}; choose from {list(known)}")

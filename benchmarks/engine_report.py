@@ -36,7 +36,7 @@ def speedups(records: list[dict]) -> dict:
     for (model, wl, cap, system), kivi2 in rate.items():
         if split_system(system)[0] != "engine-kivi-2" or not kivi2:
             continue
-        name = system.replace("engine-kivi-2", "kivi2")
+        name = system.replace("engine-kivi-2", "kivi2").replace("/", "+")  # keys are "/"-separated
         for peer in ("hf-bf16", "engine-bf16", "engine-kivi-2"):
             if peer != system and rate.get((model, wl, cap, peer)):
                 out[f"{model}/{wl}/{cap:g}/{name}_over_{peer}"] = round(kivi2 / rate[(model, wl, cap, peer)], 2)

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -70,13 +71,23 @@ def default_model() -> tuple[str, str]:
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+_CONVERSION = 1  # bump when _dequantize_into changes what it saves: older copies are then made again
+_SAMPLE = 16 << 20  # bytes hashed at each end of a GGUF file
+
+
 @functools.lru_cache(maxsize=8)
 def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    """sha256 of a file's bytes (size and mtime_ns key the memo: a rewritten file is hashed again)."""
-    digest = hashlib.sha256()
+    """sha256 of a file's size, first and last 16 MiB (its header and metadata, and tensor data at both ends:
+    a distinct model file differs there), so that every actor start stays cheap for multi-GB files. size and
+    mtime_ns key the memo: a rewritten file is hashed again."""
+    digest = hashlib.sha256(str(size).encode())
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            digest.update(chunk)
+        digest.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            digest.update(f.read(_SAMPLE))
+        else:
+            digest.update(f.read())
     return digest.hexdigest()
 
 
@@ -95,7 +106,7 @@ def _gguf_cache_dir(folder: str, gguf_file: str) -> Path:
     path = Path(folder) / gguf_file
     stat = path.stat()
     content = _file_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    key = hashlib.sha256(f"{content}:{_transformers_release()}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{content}:{_transformers_release()}:{_CONVERSION}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("KIVI_RAY_CACHE", Path.home() / ".cache" / "kivi-ray"))
     return root / f"{path.stem}-{key}"
 
@@ -122,7 +133,7 @@ def _dequantize_into(model: str, gguf_file: str, cached: Path) -> None:
     """Save a plain checkpoint of the GGUF model in `cached`, written beside it and renamed in whole."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tmp = cached.with_name(f"{cached.name}.tmp-{uuid.uuid4().hex}")  # unique across hosts sharing the cache
     try:
         lm = AutoModelForCausalLM.from_pretrained(model, gguf_file=gguf_file)
         lm.hf_quantizer = None  # weights are already dequantized: save them as a plain checkpoint

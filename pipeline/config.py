@@ -120,10 +120,7 @@ class JobConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
-# what decides an output row: a rerun into an output made with other values would mix rows of two jobs
-OUTPUT_SETTINGS = ("input", "split", "prompt_template", "chat", "model", "gguf_file", "dtype", "max_new_tokens",
-                   "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "kivi", "kv_bits", "group_size",
-                   "residual_length", "max_model_len", "hf_shard_rows")
+
 
 
 def _positive(name: str, value: Any) -> None:

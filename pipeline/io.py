@@ -124,7 +124,7 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
     for f, (s, _) in zip(files, metas, strict=True):
         if set(s.names) != set(schema.names):
             raise ValueError(f"input file {f!r} has columns {s.names}, but {files[0]!r} has {schema.names}")
-        _check_types(schema, s, files[0], f)
+        schema = _merge_types(schema, s, files[0], f)
     names = [_shard_name(f, root) for f in files]
     seen: dict[str, str] = {}
     for name, f in zip(names, files, strict=True):
@@ -135,19 +135,20 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
     return InputPlan("parquet", shards, schema, source="", filesystem=fs)
 
 
-def _check_types(first: pa.Schema, other: pa.Schema, first_file: str, file: str) -> None:
-    """Columns of the same name must merge as Ray Data reads the files (an all-null column merges with any)."""
+def _merge_types(merged: pa.Schema, other: pa.Schema, first_file: str, file: str) -> pa.Schema:
+    """The files' column types merged as Ray Data merges its blocks (permissive promotion: int32 and int64,
+    string and large_string, null and anything); ValueError naming the columns that cannot merge."""
     try:
-        pa.unify_schemas([first, other])
+        return pa.unify_schemas([merged, other], promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        bad = [n for n in first.names if not _types_merge(first.field(n).type, other.field(n).type)]
-        detail = ", ".join(f"{n!r} is {other.field(n).type} there but {first.field(n).type}" for n in bad)
+        bad = [n for n in merged.names if not _types_merge(merged.field(n).type, other.field(n).type)]
+        detail = ", ".join(f"{n!r} is {other.field(n).type} there but {merged.field(n).type}" for n in bad)
         raise ValueError(f"input file {file!r} has column types that differ from {first_file!r}: {detail}") from None
 
 
 def _types_merge(a: pa.DataType, b: pa.DataType) -> bool:
     try:
-        pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])])
+        pa.unify_schemas([pa.schema([("c", a)]), pa.schema([("c", b)])], promote_options="permissive")
         return True
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         return False

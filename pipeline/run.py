@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -13,9 +12,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import stats
+from pipeline import resume, stats
 from pipeline.actors.actor import GenerateActor, model_location
-from pipeline.config import OUTPUT_SETTINGS, JobConfig
+from pipeline.config import JobConfig
 from pipeline.io import InputPlan, Shard, plan_input, read_dataset
 from pipeline.sink import OutputStore, ShardAssembler
 
@@ -30,11 +29,12 @@ def run(job: JobConfig) -> dict[str, Any]:
     check_model(job)
     store = OutputStore(job.output, job.s3_endpoint_url)
     store.prepare()
-    done = set() if job.overwrite else store.completed() & {s.name for s in plan.shards}
+    complete = store.completed()
+    done = set() if job.overwrite else complete & {s.name for s in plan.shards}
     todo = [s for s in plan.shards if s.name not in done]
-    settings = {k: v for k, v in job.to_dict().items() if k in OUTPUT_SETTINGS}
-    if done:
-        check_resume(settings, store.read_json(store.job_path()), job.output)
+    settings = resume.row_settings(job, plan)
+    kept = sorted(complete - {s.name for s in todo})  # every complete shard this run does not redo
+    resume.check_resume(settings, resume.shard_settings(store, kept), job.output)
     log.info(
         "input %s: %d shards, %d rows (%s prompts); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",
@@ -48,8 +48,7 @@ def run(job: JobConfig) -> dict[str, Any]:
     if not todo:  # the output's summary stays that of the run that made it
         log.info("nothing to do: every shard is complete in %s (--overwrite redoes them)", job.output)
         return stats.summarize([], [], time.perf_counter() - start, len(plan.shards), shards_done=0)
-    store.write_text(store.job_path(), json.dumps(settings, indent=2))
-    assembler = ShardAssembler(plan, todo, store, job_info(job))
+    assembler = ShardAssembler(plan, todo, store, job_info(job), settings=settings)
     if any(s.num_rows for s in todo):
         try:
             _generate(job, plan, [s for s in todo if s.num_rows], assembler)
@@ -66,18 +65,6 @@ def run(job: JobConfig) -> dict[str, Any]:
     return summary
 
 
-def check_resume(settings: dict[str, Any], previous: dict[str, Any] | None, output: str) -> None:
-    """ValueError when the shards already complete in `output` were made with other row-deciding settings."""
-    if previous is None:  # written by a version without _stats/job.json: nothing to compare
-        return
-    changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
-    if changed:
-        raise ValueError(
-            f"output {output!r} holds shards made with other settings ({'; '.join(changed)}): resuming would mix "
-            "rows of two jobs; rerun with the same settings, --overwrite to redo every shard, or a new --output"
-        )
-
-
 def check_model(job: JobConfig) -> None:
     """The model's config must load (a local folder with its GGUF file, or a hub id the driver can reach) and,
     with the KIVI cache, be a supported model type."""
@@ -92,7 +79,8 @@ def check_model(job: JobConfig) -> None:
     try:
         config = kivi.models.model_config(folder if os.path.isdir(folder) else model, gguf_file).get_text_config()
     except (OSError, ValueError) as e:  # no such hub id, no network, no config.json: one line, before Ray starts
-        raise ValueError(f"cannot load the config of model {model!r}: {str(e).splitlines()[0]}") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot load the config of model {model!r}: {reason}") from None
     if job.kivi:
         kivi.check_supported(config)
         job.kivi_config().check_head_dim(kivi.models.kv_shape(config)[2])

@@ -4,14 +4,12 @@ Layout under the output root:
     <shard>.parquet            the shard's output rows, in input order
     _stats/<shard>.parquet     its stats rows (one per actor that worked on it)
     _stats/summary.json        the last run's summary
-    _stats/job.json            the settings that decide the rows (a rerun that resumes must match them)
 A shard is complete when `<shard>.parquet` exists: it appears only once fully written, and its
 stats are written before it.
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
 import uuid
 from collections.abc import Callable
@@ -22,6 +20,7 @@ import pyarrow.parquet as pq
 
 from pipeline import stats
 from pipeline.io import OUTPUT_COLUMNS, InputPlan, Shard, filesystem
+from pipeline.resume import stamp
 
 STATS_DIR = "_stats"
 
@@ -55,17 +54,6 @@ class OutputStore:
     def summary_path(self) -> str:
         return posixpath.join(self.root, STATS_DIR, "summary.json")
 
-    def job_path(self) -> str:
-        return posixpath.join(self.root, STATS_DIR, "job.json")
-
-    def read_json(self, path: str) -> dict[str, Any] | None:
-        """The JSON object at `path`, or None if there is none."""
-        try:
-            with self.fs.open(path, "r") as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return None
-
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""
         tmp = posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
@@ -88,8 +76,11 @@ class ShardAssembler:
         store: OutputStore,
         job_info: dict[str, Any],
         on_row_batch: Callable[[pa.Table], None] = lambda t: None,
+        settings: dict[str, Any] | None = None,
     ):
+        """settings: what decided the rows (pipeline.resume.row_settings), recorded in every shard written."""
         self.plan, self.store, self.job_info, self.on_row_batch = plan, store, job_info, on_row_batch
+        self.settings = settings
         self.pending = list(shards)
         self.parts: list[pa.Table] = []
         self.rows_in_parts = 0
@@ -129,6 +120,8 @@ class ShardAssembler:
             self.ttfts_ms += [t * 1e3 for t in table[stats.hidden("ttft_s")].to_pylist() if t is not None]
             table = self._output_table(shard, stats.strip_hidden(table))
         self.store.write_table(self.store.stats_path(shard.name), stats.stats_table(rows))
+        if self.settings is not None:
+            table = stamp(table, self.settings)
         self.store.write_table(self.store.shard_path(shard.name), table)
         self.stats_rows += rows
         self.shards_written += 1

@@ -113,12 +113,13 @@ def test_prefill_batches_group_prompts_of_similar_length(tiny, monkeypatch):
     group's lengths per row)."""
     from pipeline.actors.engine.model_runner import ModelRunner
 
-    padded = []
+    padded, widths_seen = [], []
     real = ModelRunner.prefill
 
     def spy(self, prompts, slots, chunk_tokens=None):
         widths = [len(p) for p in prompts]
         assert 2 * min(widths) >= max(widths), widths  # no row padded past twice its length
+        widths_seen.append(max(widths))
         padded.append(max(widths) * len(prompts))
         return real(self, prompts, slots, chunk_tokens)
 
@@ -131,6 +132,7 @@ def test_prefill_batches_group_prompts_of_similar_length(tiny, monkeypatch):
     out = engine.generate(requests(lengths, [2] * len(lengths)))
     assert all(len(c.token_ids) == 2 for c in out)
     assert sum(padded) <= sum(lengths) + 20 * len(long) + 7 * len(short), (padded, lengths)
+    assert widths_seen == sorted(widths_seen, reverse=True)  # longest prompts first
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny):

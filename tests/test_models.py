@@ -27,7 +27,7 @@ def test_cache_key_follows_content_not_path(tmp_path, monkeypatch):
     b = models._gguf_cache_dir(str(tmp_path / "env_b"), "m.gguf")
     assert a == b and a.parent == tmp_path / "cache" and a.name.startswith("m-")
 
-    # One byte changed, anywhere, is another model.
+    # One byte changed is another model (a file this small is hashed whole; a large one at both ends).
     changed = bytearray(data)
     changed[len(data) // 2] ^= 1
     (tmp_path / "env_b" / "m.gguf").write_bytes(bytes(changed))

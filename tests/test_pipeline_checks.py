@@ -1,6 +1,7 @@
 """Checks that stop a job before Ray starts, with one line naming the problem: column types that differ
 between input files, --split on Parquet, a model whose config cannot load, a rerun into an output made
-with other settings; and a rerun with nothing to do leaving the output as it is. No Ray, no weights."""
+with other settings (recorded in each shard); and a rerun with nothing to do leaving the output as it is. No Ray,
+no weights."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import pytest
 from jobs.generate import main
 from pipeline.actors.actor import model_location
 from pipeline.actors.engine import SamplingParams
-from pipeline.config import OUTPUT_SETTINGS, JobConfig, build
+from pipeline.config import JobConfig, build
 from pipeline.io import plan_input
+from pipeline.resume import row_settings, stamp
 from pipeline.run import run
 
 
@@ -39,9 +41,17 @@ def test_column_types_must_merge_across_files(tmp_path):
     write(tmp_path / "in/b.parquet", prompt=["q"], x=pa.array(["seven"]))
     with pytest.raises(ValueError, match=r"b\.parquet.*'x' is string there but int64"):
         plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
-    # an all-null column merges with any type, as Ray Data reads it
-    write(tmp_path / "in/b.parquet", prompt=["q"], x=pa.array([None], pa.null()))
-    assert [s.num_rows for s in plan_input(JobConfig(output="o", input=str(tmp_path / "in"))).shards] == [n, 1]
+    # types that Ray Data merges (an all-null column, wider integers, large strings) are fine, merged as it does
+    write(tmp_path / "in/b.parquet", prompt=pa.array(["q"], pa.large_string()), x=pa.array([None], pa.null()))
+    write(tmp_path / "in/c.parquet", prompt=["r"], x=pa.array([7], pa.int32()))
+    plan = plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
+    assert [s.num_rows for s in plan.shards] == [n, 1, 1]
+    assert plan.schema.field("x").type == pa.int64() and plan.schema.field("prompt").type == pa.large_string()
+    # checked against what the files before it merged to, not only the first file
+    write(tmp_path / "in/a.parquet", prompt=["p"] * n, x=pa.array([None] * n, pa.null()))
+    write(tmp_path / "in/d.parquet", prompt=["s"], x=pa.array(["eight"]))
+    with pytest.raises(ValueError, match=r"d\.parquet.*'x' is string there but int"):
+        plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
 
 
 def test_split_is_for_a_dataset_dict(tmp_path):
@@ -64,26 +74,50 @@ def test_model_without_a_config_fails_before_ray(tmp_path, capsys):
     assert len(err) == 1 and "cannot load the config of model" in err[0]
 
 
-def complete_output(tmp_path, job: JobConfig) -> None:
-    """An output whose one shard was made by `job`."""
-    write(tmp_path / "out/a.parquet", id=["a-0"], generated_text=["done"])
-    settings = {k: v for k, v in job.to_dict().items() if k in OUTPUT_SETTINGS}
+def complete_output(tmp_path, job: JobConfig, name: str = "a") -> None:
+    """An output holding shard `name` as `job` would have written it, and that run's summary."""
+    table = stamp(pa.table({"id": [f"{name}-0"], "generated_text": ["done"]}), row_settings(job, plan_input(job)))
+    write_table(tmp_path / f"out/{name}.parquet", table)
     (tmp_path / "out/_stats").mkdir(exist_ok=True)
-    (tmp_path / "out/_stats/job.json").write_text(json.dumps(settings))
     (tmp_path / "out/_stats/summary.json").write_text('{"summary": "of the run that made it"}')
+
+
+def write_table(path, table: pa.Table) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, str(path))
 
 
 @pytest.mark.parametrize("change", [
     {"max_new_tokens": 3}, {"temperature": 0.7}, {"stop": ["\n"]}, {"kv_bits": 4}, {"kivi": False}, {"seed": 1},
+    {"dtype": "float32"},
 ])
 def test_resume_with_other_settings_is_refused(tmp_path, tiny_model, change):
     write(tmp_path / "in/a.parquet", prompt=["p"])
     base = dict(output=str(tmp_path / "out"), input=str(tmp_path / "in"), model=tiny_model)
     complete_output(tmp_path, JobConfig(**base))
     key = next(iter(change))
-    with pytest.raises(ValueError, match=rf"other settings \({key} "):
+    with pytest.raises(ValueError, match=rf"shard 'a' made with other settings \({key} "):
         run(build({}, {**base, **change}))
-    run(build({}, {**base, "batch_size": 7, "actors": 3}))  # settings that do not decide rows may change
+    # settings that do not decide rows may change, and the same settings may be spelled differently
+    run(build({}, {**base, "batch_size": 7, "actors": 3, "input": str(tmp_path / "in") + "/", "dtype": "bfloat16"}))
+
+
+def test_a_run_that_does_not_redo_a_shard_must_match_it(tmp_path, tiny_model):
+    """Shard names need not overlap: another input into the same output, or an --overwrite run that stopped
+    half way (shard a redone with the new settings, b still the old job's), is refused all the same."""
+    write(tmp_path / "in1/a.parquet", prompt=["p"])
+    write(tmp_path / "in2/b.parquet", prompt=["q"])
+    old = JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in1"), model=tiny_model)
+    complete_output(tmp_path, old)
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input "):
+        run(JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in2"), model=tiny_model))
+
+    write(tmp_path / "in1/b.parquet", prompt=["q"])
+    complete_output(tmp_path, old, name="b")
+    new = JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in1"), model=tiny_model, max_new_tokens=9)
+    complete_output(tmp_path, new, name="a")  # what an interrupted --overwrite run leaves
+    with pytest.raises(ValueError, match=r"shard 'b' made with other settings \(max_new_tokens 64 -> 9"):
+        run(new)
 
 
 def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):
@@ -95,11 +129,21 @@ def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):
     assert json.loads((tmp_path / "out/_stats/summary.json").read_text()) == {"summary": "of the run that made it"}
 
 
-def test_output_written_before_job_json_resumes_unchecked(tmp_path, tiny_model):
+def test_shards_without_recorded_settings_resume_unchecked(tmp_path, tiny_model):
     write(tmp_path / "in/a.parquet", prompt=["p"])
-    complete_output(tmp_path, JobConfig(output="o"))
-    (tmp_path / "out/_stats/job.json").unlink()
+    write(tmp_path / "out/a.parquet", id=["a-0"], generated_text=["done"])  # an older version's shard
+    (tmp_path / "out/notes.parquet").write_bytes(b"not parquet at all")  # a user's file beside the shards
     run(JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in"), model=tiny_model, max_new_tokens=5))
+
+
+def test_model_spellings_record_the_same_settings(tmp_path):
+    write(tmp_path / "in/a.parquet", prompt=["p"])
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m/x.gguf").write_bytes(b"")
+    plan = plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
+    as_path = row_settings(JobConfig(output="o", model=str(tmp_path / "m/x.gguf")), plan)
+    as_pair = row_settings(JobConfig(output="o", model=str(tmp_path / "m") + "/", gguf_file="x.gguf"), plan)
+    assert as_path["model"] == as_pair["model"] == str(tmp_path / "m") and as_path == as_pair
 
 
 @pytest.mark.parametrize("bad", [{"seed": True}, {"max_new_tokens": True}, {"top_k": False}, {"temperature": "0.5"},

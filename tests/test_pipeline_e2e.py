@@ -246,12 +246,13 @@ def test_s3_input_and_output(ray_local, s3_endpoint):
     run(*argv)
     fs.invalidate_cache()
     files = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"{BUCKET}/out"))
-    assert files == ["job.json", "p0.parquet", "p0.parquet", "p1.parquet", "p1.parquet", "summary.json"]
+    assert files == ["p0.parquet", "p0.parquet", "p1.parquet", "p1.parquet", "summary.json"]
     with fs.open(f"{BUCKET}/out/p0.parquet", "rb") as f:
         p0 = pq.read_table(f).to_pylist()
     assert [r["id"] for r in p0] == ["p0-0", "p0-1"] and {r["k"] for r in p0} == {"p0"}
     assert all(r["finish_reason"] in ("stop", "length") and r["generated_text"] for r in p0)
-    # a rerun reads the settings back from the store: the same ones resume (nothing to do), others are refused
+    # a rerun reads the shards' settings back from the store: the same ones resume (nothing to do), others are
+    # refused
     run(*argv)
     assert main([*argv, "--max-new-tokens", "4"]) == 2
 

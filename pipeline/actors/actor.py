@@ -49,10 +49,11 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
 def model_location(job: JobConfig) -> tuple[str, str | None]:
     """(model, gguf_file): the job's (a path to a .gguf file is its folder and name), or the embedded
     SmolLM2-135M-Instruct."""
-    if job.model is not None and job.gguf_file is None and job.model.endswith(".gguf"):
-        return os.path.dirname(job.model) or ".", os.path.basename(job.model)
     if job.model is not None:
-        return job.model, job.gguf_file
+        model = os.path.expanduser(job.model)  # "~/models/x" from a YAML file, as a shell would expand it
+        if job.gguf_file is None and model.endswith(".gguf"):
+            return os.path.dirname(model) or ".", os.path.basename(model)
+        return model, job.gguf_file
     import kivi
 
     return kivi.default_model()

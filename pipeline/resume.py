@@ -1,0 +1,75 @@
+"""What may resume into an output: every complete shard records the settings that decided its rows (in its
+Parquet metadata), and a rerun must match them, so that one output never holds rows of two jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.actors.actor import model_location
+from pipeline.config import JobConfig
+from pipeline.io import InputPlan
+
+SETTINGS_KEY = b"kivi_ray.settings"
+# the job's fields that decide output rows (the rest, like actors or batch sizes, only decide speed)
+ROW_FIELDS = ("split", "prompt_template", "chat", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+              "ignore_eos", "kivi", "kv_bits", "group_size", "residual_length", "max_model_len")
+
+
+def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
+    """The settings that decide the rows, written as they take effect: paths made absolute, the model as the
+    (folder, file) it loads, dtype "auto" as bfloat16, cache fields only with the KIVI cache."""
+    out = {k: v for k, v in job.to_dict().items() if k in ROW_FIELDS}
+    if not job.kivi:
+        out.update(kv_bits=None, group_size=None, residual_length=None)
+    model, gguf_file = model_location(job) if job.model is not None else (None, None)  # None: the shipped default
+    out.update(input=_where(job.input), model=_where(model), gguf_file=gguf_file,
+               dtype="bfloat16" if job.dtype == "auto" else job.dtype,
+               hf_shard_rows=job.hf_shard_rows if plan.kind == "hf" else None)
+    return out
+
+
+def _where(path: str | None) -> str | None:
+    if path is None or "://" in path:
+        return path.rstrip("/") if path else path
+    local = os.path.expanduser(path)
+    return os.path.abspath(local) if os.path.exists(local) else path  # a hub id stays as it is
+
+
+def stamp(table: pa.Table, settings: dict[str, Any]) -> pa.Table:
+    """The shard's table with its settings in the Parquet metadata."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), SETTINGS_KEY: json.dumps(settings)})
+
+
+def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
+    """{shard: its recorded settings, or None for a shard written before they were recorded}."""
+
+    def read(name: str) -> dict[str, Any] | None:
+        try:
+            with store.fs.open(store.shard_path(name), "rb") as f:
+                meta = pq.ParquetFile(f).schema_arrow.metadata or {}
+            return json.loads(meta[SETTINGS_KEY]) if SETTINGS_KEY in meta else None
+        except (OSError, ValueError, pa.ArrowException):  # not a shard of ours (a user's file): nothing to compare
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(names)))) as pool:
+        return dict(zip(names, pool.map(read, names), strict=True))
+
+
+def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str) -> None:
+    """ValueError when a complete shard of `output` that this run keeps was made with other settings."""
+    for name, previous in sorted(recorded.items()):
+        if previous is None:
+            continue
+        changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
+        if changed:
+            raise ValueError(
+                f"output {output!r} holds shard {name!r} made with other settings ({'; '.join(changed)}): this "
+                "run would mix rows of two jobs; rerun with the same settings, --overwrite to redo every shard of "
+                "this input, or a new --output"
+            )
