@@ -13,12 +13,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import resume, stats
-from pipeline.actors.actor import GenerateActor, model_location
+from pipeline.actors.actor import StreamingGenerateActor, model_location
 from pipeline.config import JobConfig
 from pipeline.io import InputPlan, Shard, plan_input, read_dataset
 from pipeline.sink import OutputStore, ShardAssembler
 
 log = logging.getLogger("kivi_ray")
+CALLS_PER_ACTOR = 2  # map_batches calls an actor runs at once, sharing its engine (StreamingGenerateActor)
 
 
 def run(job: JobConfig) -> dict[str, Any]:
@@ -117,10 +118,23 @@ def cpu_share(cpus: float, actors: int) -> float:
 
 
 def rows_per_call(total: int, pool: int, max_batch_size: int) -> int:
-    """Rows per actor call when --batch-size is not given. An actor's engine decodes the rows of one call at a
-    time, so a call holds several full engine batches (the engine stays wide until the call's last rows drain),
-    unless that would leave actors of the pool without a call."""
-    return max(1, min(4 * max_batch_size, math.ceil(total / pool)))
+    """Rows per actor call when --batch-size is not given: a full engine batch, so that with CALLS_PER_ACTOR
+    calls in flight the engine always has a call's rows waiting, unless that would leave actors of the pool
+    without a call."""
+    return max(1, min(max_batch_size, math.ceil(total / pool)))
+
+
+def actor_pool(size: int) -> dict[str, Any]:
+    """map_batches arguments of a pool of `size` actors that each run CALLS_PER_ACTOR calls at once (the engine
+    admits the next call's rows while the last ones decode)."""
+    import inspect
+
+    import ray.data
+
+    pool = dict(size=size, max_tasks_in_flight_per_actor=CALLS_PER_ACTOR)
+    if "max_concurrent_calls_per_actor" in inspect.signature(ray.data.ActorPoolStrategy).parameters:
+        return {"compute": ray.data.ActorPoolStrategy(**pool, max_concurrent_calls_per_actor=CALLS_PER_ACTOR)}
+    return {"compute": ray.data.ActorPoolStrategy(**pool), "max_concurrency": CALLS_PER_ACTOR}  # older Ray
 
 
 def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: ShardAssembler) -> None:
@@ -142,9 +156,9 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     # streaming repartition into blocks of one actor call each: actors take blocks, so a few large
     # blocks (small inputs are read into one) would leave the rest of the pool idle
     ds = read_dataset(plan, shards).repartition(target_num_rows_per_block=batch_size).map_batches(
-        GenerateActor,
+        StreamingGenerateActor,
         fn_constructor_kwargs={"job": job.to_dict(), "source": plan.source},
-        compute=ray.data.ActorPoolStrategy(size=size),
+        **actor_pool(size),
         batch_size=batch_size,
         batch_format="pyarrow",
         **resources,

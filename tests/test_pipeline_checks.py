@@ -179,10 +179,10 @@ def test_rows_per_call_keeps_the_engine_wide_and_the_pool_busy(total, pool, widt
     from pipeline.run import rows_per_call
 
     rows = rows_per_call(total, pool, width)
-    assert 1 <= rows <= 4 * width  # a bounded call: resume, progress and the driver's memory stay fine-grained
+    assert 1 <= rows <= width  # a bounded call: resume, progress and the driver's memory stay fine-grained
     calls = -(-total // rows)
     assert calls >= min(pool, total)  # every actor of the pool gets a call
-    assert rows >= min(4 * width, total // pool)  # and each call as many rows as that allows, to keep it wide
+    assert rows >= min(width, total // pool)  # and each call as many rows as that allows, to keep the engine fed
 
 
 @pytest.mark.parametrize("argv", [["--kv-bits", "3"], ["--max-new-tokens", "0"], ["--temperature", "-1"]])

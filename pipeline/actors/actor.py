@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -79,16 +80,20 @@ class GenerateActor:
             raise ValueError(f"model {self.job.model!r} has no chat template, needed for {source!r} prompts")
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """One call at a time: the engine runs this batch's rows to completion."""
         start = time.perf_counter()
-        rows = batch.select([c for c in batch.column_names if c in self.needed]).to_pylist()
-        requests, errors = self._requests(rows)
+        requests, errors = self._requests(self._rows(batch))
         self.engine.reset_stats()
         completions = self.engine.generate(requests) if requests else []
-        engine_stats = self.engine.stats()
+        return self._answer(batch, requests, completions, errors, time.perf_counter() - start, self.engine.stats())
+
+    def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:
+        return batch.select([c for c in batch.column_names if c in self.needed]).to_pylist()
+
+    def _answer(self, batch: pa.Table, requests, completions, errors, busy_s: float, engine_stats) -> pa.Table:
         assert len(completions) == len(requests), (len(completions), len(requests))
         by_row = {int(c.request_id): c for c in completions}
-        share = (time.perf_counter() - start) / max(1, batch.num_rows)
-        return self._output(batch, by_row, errors, share, engine_stats)
+        return self._output(batch, by_row, errors, busy_s / max(1, batch.num_rows), engine_stats)
 
     def _requests(self, rows: list[dict[str, Any]]) -> tuple[list[Any], dict[int, str]]:
         """Engine requests for the good rows; {row: message} for the rest."""
@@ -157,3 +162,24 @@ def _actor_id() -> str:
     except Exception:  # noqa: BLE001 - outside Ray (unit tests): fall back to the process
         pass
     return f"pid-{os.getpid()}"
+
+
+class StreamingGenerateActor(GenerateActor):
+    """The pipeline's UDF. Ray Data runs a few calls of each actor at once (map_batches max_concurrency, an
+    async __call__); they share the actor's one engine through an EngineService, which admits a call's rows
+    while the rows of earlier calls still decode, so the engine stays wide from one call to the next."""
+
+    def __init__(self, job: dict[str, Any], source: str, loader: EngineLoader | None = None):
+        from pipeline.actors.engine.service import EngineService
+
+        super().__init__(job, source, loader)
+        self.service = EngineService(self.engine)
+
+    async def __call__(self, batch: pa.Table):
+        start = time.perf_counter()
+        requests, errors = self._requests(self._rows(batch))
+        prepare_s = time.perf_counter() - start
+        completions, engine_stats = await asyncio.wrap_future(self.service.submit(requests))
+        # this call's time: its rows' preparation, and its share of the engine's time (its steps are shared)
+        busy_s = prepare_s + engine_stats["busy_s"]
+        yield self._answer(batch, requests, completions, errors, busy_s, engine_stats)

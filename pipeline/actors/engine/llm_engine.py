@@ -9,55 +9,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
 import kernels
 from kivi.cache import resolve_backend
-from kivi.config import KiviConfig
 from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
 from kivi.models import kv_shape
 from kivi.storage import FullStorage, QuantizedStorage
 from pipeline.actors.engine.block_manager import BlockManager
+from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.kv_cache import EngineCache
-from pipeline.actors.engine.memory import measure_workspace, plan_cache
+from pipeline.actors.engine.memory import measure_workspace, peak_memory_mb, plan_cache
 from pipeline.actors.engine.model_runner import ModelRunner
-from pipeline.actors.engine.request import Completion, Request, Sequence
+from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
 from pipeline.actors.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """kivi=None runs a plain full-precision paged cache (the baseline)."""
-
-    kivi: KiviConfig | None = KiviConfig()
-    gpu_memory_utilization: float = 0.90
-    memory_limit_gib: float | None = None  # cap on device memory, overriding utilization * total
-    max_batch_size: int = 256
-    max_model_len: int | None = None
-    max_prefill_tokens: int = 16384
-    page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
-    cuda_graphs: bool = True
-    fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
-    decode_ahead: bool = True  # greedy batches: launch step i+1 before the host reads step i's tokens
-    fused_projections: bool = False  # with fused_layers: one matmul for q/k/v and one for gate/up (unmeasured)
-    cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("max_batch_size", "max_prefill_tokens", "page_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
-        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
-            raise ValueError(f"memory_limit_gib must be positive, got {self.memory_limit_gib!r}")
 
 
 class LLMEngine:
@@ -73,6 +44,7 @@ class LLMEngine:
         self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
         self.runner: ModelRunner | None = None
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
+        self.active: list[Submission] = []  # calls of add() with requests still in flight
         self.reset_stats()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -143,47 +115,73 @@ class LLMEngine:
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run every request to completion; completions come back in the order of `requests`."""
         t_start = time.perf_counter()
-        results: list[Completion | None] = [None] * len(requests)
+        submission = self.add(requests)
+        while submission.pending:
+            self.step()
+        self.stats_acc["wall_s"] += time.perf_counter() - t_start
+        return submission.results
+
+    def add(self, requests: list[Request], on_done: Callable[[Submission], None] | None = None) -> Submission:
+        """Queue requests behind those already in flight; on_done(submission) runs (in step()) once all of them
+        are complete (at once if none is valid). The first call plans the cache for requests like these."""
+        sub = Submission(results=[None] * len(requests), t_start=time.perf_counter(), on_done=on_done)
         seqs = []
         for index, request in enumerate(requests):
             problem = self._check(request)
             if problem:
-                results[index] = self._error(request, problem)
+                sub.results[index] = self._error(request, problem)
                 continue
             room = self.max_model_len - len(request.prompt_token_ids)
-            seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room)))
+            seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room), sub))
         if seqs and self.runner is None:
             self._build(seqs)
         # longest prompts first: prefill batches are padded to their longest prompt, so neighbours of similar
         # length waste little (a mixed RAG batch in arrival order padded 2,465 prompt tokens to 11,124)
         for seq in sorted(seqs, key=lambda s: -s.prompt_len):
             if not self.blocks.fits_ever(seq):
-                results[seq.index] = self._error(seq.request, "request does not fit the cache")
+                sub.results[seq.index] = self._error(seq.request, "request does not fit the cache")
             else:
+                sub.pending += 1
                 self.scheduler.add(seq)
-        while self.scheduler.has_work():
-            batch = self.scheduler.next_prefill()
-            if batch:
-                self._prefill(batch, results, t_start)
-            else:
-                self._decode(results, t_start)
-        self.stats_acc["wall_s"] += time.perf_counter() - t_start
-        return results
+        self.active.append(sub)
+        if not sub.pending:
+            self._done(sub)
+        return sub
+
+    def abort(self) -> None:
+        """Drop every request in flight (after a step failed): their slots and pages come back, unanswered."""
+        if self.runner is not None:
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                self.blocks.release(seq)
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+        self.active.clear()
+
+    def has_work(self) -> bool:
+        return self.runner is not None and self.scheduler.has_work()
+
+    def step(self) -> None:
+        """Prefill newly admitted requests, or else run decode steps for the sequences in flight."""
+        batch = self.scheduler.next_prefill()
+        if batch:
+            self._prefill(batch)
+        else:
+            self._decode()
 
     # -- steps -----------------------------------------------------------------------------
-    def _prefill(self, batch: list[Sequence], results, t_start: float) -> None:
+    def _prefill(self, batch: list[Sequence]) -> None:
         try:
             for seq in batch:
                 self.cache.set_pages(seq.slot, seq.pages)
             logits = self.runner.prefill([s.request.prompt_token_ids for s in batch], [s.slot for s in batch],
                                          chunk_tokens=self.scheduler.prefill_tokens)
         except torch.OutOfMemoryError:
-            self._out_of_memory(batch, results, prefill=True)
+            self._out_of_memory(batch, prefill=True)
             return
         self.scheduler.start_running(batch)
-        self._sample_and_advance(batch, logits, results, t_start)
+        self._sample_and_advance(batch, logits)
 
-    def _decode(self, results, t_start: float) -> None:
+    def _decode(self) -> None:
         """Decode steps for the running sequences. While no row ends by length, step i+1 is launched from
         step i's tokens on the device before the host reads them, so the host's bookkeeping overlaps the GPU's
         next step. A row that stops early (end of sequence, a stop string) then runs one step too many into
@@ -197,7 +195,7 @@ class LLMEngine:
             logits = self.runner.decode([s.output[-1] for s in running], [s.cached_len - 1 for s in running],
                                         [s.slot for s in running])
             if pick is None:
-                self._sample_and_advance(running, logits, results, t_start)
+                self._sample_and_advance(running, logits)
                 pending, steps = None, 1
             else:
                 pending = self.runner.to_host(pick(logits, 0))
@@ -208,7 +206,7 @@ class LLMEngine:
                 following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
                              if ahead else None)
                 now = self.runner.wait(pending)  # before reading the host copy
-                self._advance(running, pending[1].tolist(), results, t_start, now)
+                self._advance(running, pending[1].tolist(), now)
                 steps += 1
                 pending = following
         except torch.OutOfMemoryError:
@@ -217,7 +215,7 @@ class LLMEngine:
             self._count_steps(steps, len(running), t0)  # the steps that did run
             running = list(self.scheduler.running)
             self.scheduler.max_running = max(1, len(running) // 2)
-            self._out_of_memory(running, results)
+            self._out_of_memory(running)
             return
         self._count_steps(steps, len(running), t0)
 
@@ -226,25 +224,25 @@ class LLMEngine:
         self.stats_acc["decode_s"] += time.perf_counter() - t0
         self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], batch)
 
-    def _out_of_memory(self, seqs: list[Sequence], results, prefill: bool = False) -> None:
+    def _out_of_memory(self, seqs: list[Sequence], prefill: bool = False) -> None:
         """Shrink the batch and put the work back in the queue; a lone sequence that fails is an error."""
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
         if len(seqs) == 1 and self.scheduler.prefill_tokens <= len(seqs[0].request.prompt_token_ids):
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
-            results[seqs[0].index] = self._error(seqs[0].request, "CUDA out of memory for this request alone")
+            self._complete(seqs[0], self._error(seqs[0].request, "CUDA out of memory for this request alone"))
             return
         self.scheduler.shrink(seqs, prefill=prefill)
         log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",
                     len(seqs), self.scheduler.prefill_tokens)
 
-    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor, results, t_start: float) -> None:
+    def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         pick = picker([s.request.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
                       logits.device)
-        self._advance(seqs, pick(logits, 0).tolist(), results, t_start, time.perf_counter())
+        self._advance(seqs, pick(logits, 0).tolist(), time.perf_counter())
 
-    def _advance(self, seqs: list[Sequence], tokens: list[int], results, t_start: float, now: float) -> None:
+    def _advance(self, seqs: list[Sequence], tokens: list[int], now: float) -> None:
         """Row b of `seqs` got tokens[b]; rows that finished at an earlier step are skipped."""
         self._record_memory()
         for seq, token in zip(seqs, tokens, strict=True):
@@ -260,18 +258,30 @@ class LLMEngine:
                 elif len(seq.output) >= seq.max_new_tokens:
                     seq.finish_reason = "length"
             if seq.finish_reason:
-                self._finish(seq, results, t_start, now)
+                self._finish(seq, now)
 
-    def _finish(self, seq: Sequence, results, t_start: float, now: float) -> None:
+    def _finish(self, seq: Sequence, now: float) -> None:
         self.scheduler.finish(seq)
         self.blocks.release(seq)
         if seq.text is None:  # no stop string cut the text
             seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        results[seq.index] = Completion(
+        self._complete(seq, Completion(
             request_id=seq.request.request_id, text=seq.text, token_ids=list(seq.output),
             num_input_tokens=seq.prompt_len, finish_reason=seq.finish_reason,
-            ttft_s=seq.t_first - t_start, decode_s=now - seq.t_first,
-        )
+            ttft_s=seq.t_first - seq.submission.t_start, decode_s=now - seq.t_first,
+        ))
+
+    def _complete(self, seq: Sequence, completion: Completion) -> None:
+        sub = seq.submission
+        sub.results[seq.index] = completion
+        sub.pending -= 1
+        if not sub.pending:
+            self._done(sub)
+
+    def _done(self, sub: Submission) -> None:
+        self.active.remove(sub)
+        if sub.on_done is not None:
+            sub.on_done(sub)
 
     # -- stats -----------------------------------------------------------------------------
     def _record_memory(self) -> None:
@@ -279,10 +289,10 @@ class LLMEngine:
         precision (pages and slots reserved but not yet filled are free space, not content)."""
         running = self.scheduler.running
         held = sum(self.cache.content_bytes(s.cached_len) for s in running)
-        acc = self.stats_acc
-        if held > acc["kv_cache_bytes"]:
-            tokens = sum(s.cached_len for s in running)
-            acc["kv_cache_bytes"], acc["kv_cache_bytes_bf16"] = held, tokens * self.cache.bf16_token_bytes
+        bf16 = sum(s.cached_len for s in running) * self.cache.bf16_token_bytes
+        for peaks in (self.stats_acc, *(sub.peaks for sub in self.active)):  # both sizes from the same moment
+            if held > peaks["kv_cache_bytes"]:
+                peaks["kv_cache_bytes"], peaks["kv_cache_bytes_bf16"] = held, bf16
 
     def reset_stats(self) -> None:
         self.stats_acc = dict(kv_cache_bytes=0, kv_cache_bytes_bf16=0, decode_steps=0, decode_s=0.0,
@@ -292,14 +302,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Peaks and totals since the last reset_stats()."""
-        if self.device.type == "cuda":
-            max_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
-            name = torch.cuda.get_device_name(self.device)
-        else:
-            import resource
-
-            # peak resident memory of the process (Linux reports kilobytes)
-            max_mb, name = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, "cpu"
+        max_mb, name = peak_memory_mb(self.device)
         out = dict(self.stats_acc, max_allocated_mb=max_mb, device_name=name, build_s=self.build_s)
         if self.runner is not None:
             out.update(num_slots=self.plan.num_slots, num_pages=self.plan.num_pages)

@@ -53,3 +53,12 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
             f"{workspace_bytes / 2**30:.2f} GiB); one sequence needs {min_pages} pages of {page_bytes} bytes"
         )
     return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes)
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """(peak allocated MiB since the last reset, device name); on a CPU, the process's peak resident memory."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.get_device_name(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10, "cpu"  # Linux reports kilobytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,14 +76,28 @@ class Completion:
     decode_s: float | None = None
 
 
+@dataclass(eq=False)
+class Submission:
+    """One LLMEngine.add() call: its completions in request order, filled in as its sequences finish."""
+
+    results: list[Completion | None]
+    t_start: float  # time to first token counts from here
+    on_done: Callable[[Submission], None] | None = None
+    pending: int = 0  # sequences not finished yet
+    # the cache's peak content (packed and residual bytes, and the same tokens in bf16) while it was in flight
+    peaks: dict[str, int] = field(default_factory=lambda: {"kv_cache_bytes": 0, "kv_cache_bytes_bf16": 0})
+    busy_s: float = 0.0  # its share of the engine's time (EngineService)
+
+
 @dataclass
 class Sequence:
     """A request in flight: its slot and pages in the cache, and the tokens made so far."""
 
-    index: int  # position in the caller's request list
+    index: int  # position in its submission's request list
     request: Request
     max_new_tokens: int
     seed: int
+    submission: Submission | None = None
     slot: int = -1
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -92,9 +107,10 @@ class Sequence:
     t_done: float | None = None
 
     @classmethod
-    def start(cls, index: int, request: Request, max_new_tokens: int) -> Sequence:
+    def start(cls, index: int, request: Request, max_new_tokens: int, submission: Submission | None = None
+              ) -> Sequence:
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(31)
-        return cls(index=index, request=request, max_new_tokens=max_new_tokens, seed=seed)
+        return cls(index=index, request=request, max_new_tokens=max_new_tokens, seed=seed, submission=submission)
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,36 @@
+"""The engine's settings: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kivi.config import KiviConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """kivi=None runs a plain full-precision paged cache (the baseline)."""
+
+    kivi: KiviConfig | None = KiviConfig()
+    gpu_memory_utilization: float = 0.90
+    memory_limit_gib: float | None = None  # cap on device memory, overriding utilization * total
+    max_batch_size: int = 256
+    max_model_len: int | None = None
+    max_prefill_tokens: int = 16384
+    page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
+    cuda_graphs: bool = True
+    fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
+    decode_ahead: bool = True  # greedy batches: launch step i+1 before the host reads step i's tokens
+    fused_projections: bool = False  # with fused_layers: one matmul for q/k/v and one for gate/up (unmeasured)
+    cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("max_batch_size", "max_prefill_tokens", "page_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
+            raise ValueError(f"memory_limit_gib must be positive, got {self.memory_limit_gib!r}")
