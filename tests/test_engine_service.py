@@ -85,3 +85,51 @@ def test_a_call_with_nothing_valid_is_answered_at_once(tiny):  # noqa: F811
     assert stats["busy_s"] >= 0
     completions, _ = service.submit([]).result(timeout=60)
     assert completions == []
+
+
+def test_new_calls_join_between_steps_launched_ahead(tiny, monkeypatch):  # noqa: F811
+    """A short call arriving while one long row decodes (steps launched ahead of the host) is admitted at the
+    next step and answered long before the long row ends."""
+    from pipeline.actors.engine.model_runner import ModelRunner
+
+    ahead, real_next = threading.Event(), ModelRunner.decode_next
+
+    def decode_next(self, tokens):
+        ahead.set()
+        return real_next(self, tokens)
+
+    monkeypatch.setattr(ModelRunner, "decode_next", decode_next)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    service = EngineService(engine)
+    long = service.submit(requests([10], [400]))
+    assert ahead.wait(timeout=60)  # the long row's steps are being launched ahead
+    short = service.submit(requests([8], [3], seed=1))
+    completions, _ = short.result(timeout=120)
+    assert len(completions[0].token_ids) == 3
+    assert not long.done()  # the long row is still decoding
+    assert len(long.result(timeout=300)[0][0].token_ids) == 400
+
+
+def test_a_cancelled_call_or_a_failed_prefill_leaves_the_service_working(tiny, monkeypatch):  # noqa: F811
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    service = EngineService(engine)
+    gone = service.submit(requests([12, 30], [20, 20]))
+    gone.cancel()  # the caller gave up: its answer has nowhere to go
+    completions, _ = service.submit(requests([9], [4], seed=2)).result(timeout=300)
+    assert len(completions[0].token_ids) == 4
+
+    real_prefill, calls = engine.runner.prefill, []
+
+    def prefill(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("kernel fault")
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    with pytest.raises(RuntimeError, match="kernel fault"):
+        service.submit(requests([7, 9, 11], [5, 5, 5], seed=3)).result(timeout=300)
+    assert len(engine.blocks.free_slots) == engine.blocks.num_slots  # the admitted rows gave their slots back
+    assert engine.blocks.pages_in_use == 0
+    completions, _ = service.submit(requests([7, 9], [5, 6], seed=4)).result(timeout=300)
+    assert [len(c.token_ids) for c in completions] == [5, 6]

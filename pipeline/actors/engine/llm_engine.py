@@ -45,6 +45,7 @@ class LLMEngine:
         self.runner: ModelRunner | None = None
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
         self.active: list[Submission] = []  # calls of add() with requests still in flight
+        self.interrupt: Callable[[], bool] = lambda: False  # True: end a run of decode steps launched ahead
         self.reset_stats()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -101,17 +102,6 @@ class LLMEngine:
         return FusedLayers(self.model, kernels.get_ops("triton"), projections=self.config.fused_projections)
 
     # -- requests --------------------------------------------------------------------------
-    def _check(self, request: Request) -> str | None:
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            return "empty prompt"
-        if n >= self.max_model_len:
-            return f"prompt of {n} tokens does not fit the model's context of {self.max_model_len} tokens"
-        return None
-
-    def _error(self, request: Request, message: str) -> Completion:
-        return Completion(request.request_id, "", [], len(request.prompt_token_ids), "error", message)
-
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run every request to completion; completions come back in the order of `requests`."""
         t_start = time.perf_counter()
@@ -121,15 +111,17 @@ class LLMEngine:
         self.stats_acc["wall_s"] += time.perf_counter() - t_start
         return submission.results
 
-    def add(self, requests: list[Request], on_done: Callable[[Submission], None] | None = None) -> Submission:
+    def add(self, requests: list[Request], on_done: Callable[[Submission], None] | None = None,
+            t_start: float | None = None) -> Submission:
         """Queue requests behind those already in flight; on_done(submission) runs (in step()) once all of them
-        are complete (at once if none is valid). The first call plans the cache for requests like these."""
-        sub = Submission(results=[None] * len(requests), t_start=time.perf_counter(), on_done=on_done)
+        are complete (at once if none is valid). The first call plans the cache for requests like these.
+        t_start: when the requests arrived (time to first token counts from there; default now)."""
+        sub = Submission(results=[None] * len(requests), t_start=t_start or time.perf_counter(), on_done=on_done)
         seqs = []
         for index, request in enumerate(requests):
-            problem = self._check(request)
+            problem = request.problem(self.max_model_len)
             if problem:
-                sub.results[index] = self._error(request, problem)
+                sub.results[index] = request.error(problem)
                 continue
             room = self.max_model_len - len(request.prompt_token_ids)
             seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room), sub))
@@ -139,7 +131,7 @@ class LLMEngine:
         # length waste little (a mixed RAG batch in arrival order padded 2,465 prompt tokens to 11,124)
         for seq in sorted(seqs, key=lambda s: -s.prompt_len):
             if not self.blocks.fits_ever(seq):
-                sub.results[seq.index] = self._error(seq.request, "request does not fit the cache")
+                sub.results[seq.index] = seq.request.error("request does not fit the cache")
             else:
                 sub.pending += 1
                 self.scheduler.add(seq)
@@ -178,6 +170,10 @@ class LLMEngine:
         except torch.OutOfMemoryError:
             self._out_of_memory(batch, prefill=True)
             return
+        except Exception:  # admitted but not running: nothing else would give their slots and pages back
+            for seq in batch:
+                self.blocks.release(seq)
+            raise
         self.scheduler.start_running(batch)
         self._sample_and_advance(batch, logits)
 
@@ -187,6 +183,8 @@ class LLMEngine:
         next step. A row that stops early (end of sequence, a stop string) then runs one step too many into
         its own reserved pages; that token is dropped."""
         running = list(self.scheduler.running)
+        if not running:
+            return
         t0, steps = time.perf_counter(), 0
         # the sampling rows go to the device before the step: a copy queued behind it would wait for it
         pick = picker([s.request.sampling for s in running], [s.seed for s in running],
@@ -202,7 +200,8 @@ class LLMEngine:
             while pending is not None:
                 # launch the next step unless a row ended (the step in flight then drains, for the live rows)
                 # or one ends by length with this step
-                ahead = all(not s.finish_reason and len(s.output) + 1 < s.max_new_tokens for s in running)
+                ahead = all(not s.finish_reason and len(s.output) + 1 < s.max_new_tokens for s in running) and (
+                    not self.interrupt())  # new requests wait for this run of steps to end
                 following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
                              if ahead else None)
                 now = self.runner.wait(pending)  # before reading the host copy
@@ -231,7 +230,7 @@ class LLMEngine:
         if len(seqs) == 1 and self.scheduler.prefill_tokens <= len(seqs[0].request.prompt_token_ids):
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
-            self._complete(seqs[0], self._error(seqs[0].request, "CUDA out of memory for this request alone"))
+            self._complete(seqs[0], seqs[0].request.error("CUDA out of memory for this request alone"))
             return
         self.scheduler.shrink(seqs, prefill=prefill)
         log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",

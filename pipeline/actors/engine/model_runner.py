@@ -101,7 +101,8 @@ class ModelRunner:
             self._decode_graph_body(batch)  # warm up (Triton compiles, allocator settles)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: the capture runs in the engine's thread (EngineService) while Ray's threads live on
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = self._decode_graph_body(batch)
             pool = graph.pool()
             self.graphs[batch] = (graph, logits)

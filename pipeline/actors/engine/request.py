@@ -63,6 +63,18 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
+    def problem(self, max_model_len: int) -> str | None:
+        """Why the engine cannot run this request, or None."""
+        n = len(self.prompt_token_ids)
+        if n == 0:
+            return "empty prompt"
+        if n >= max_model_len:
+            return f"prompt of {n} tokens does not fit the model's context of {max_model_len} tokens"
+        return None
+
+    def error(self, message: str) -> Completion:
+        return Completion(self.request_id, "", [], len(self.prompt_token_ids), "error", message)
+
 
 @dataclass
 class Completion:

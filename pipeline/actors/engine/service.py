@@ -1,18 +1,21 @@
 """One engine fed by several callers at once: a thread owns the engine (and its device), callers submit request
 lists and get futures.
 
-The engine admits a new list between its steps, behind the sequences already in flight, so a caller's last
-rows never decode alone while the next caller waits: the batch stays wide across calls. Each step's time is
-split evenly among the lists in flight during it, so per-call times add up to the engine's busy time.
+The engine admits a new list between its steps, behind the sequences already in flight (a run of decode
+steps launched ahead ends when a list arrives), so a caller's last rows never decode alone while the next
+caller waits: the batch stays wide across calls. Each step's time is split among the lists in flight by
+their rows in the batch, so per-call times add up to the engine's busy time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from collections import Counter
+from concurrent.futures import Future, InvalidStateError
 
 from pipeline.actors.engine.request import Request, Submission
 
@@ -25,38 +28,49 @@ class EngineService:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.inbox: queue.Queue[tuple[list[Request], Future]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[list[Request], Future, float]] = queue.Queue()
         self.in_flight: dict[int, Future] = {}  # id(submission) -> its caller's future
-        self.finished: list[tuple[Submission, Future]] = []  # done inside the current step, answered after it
+        self.finished: list[tuple[Submission, Future]] = []  # done inside a step, answered after it
+        self.dead: BaseException | None = None
+        engine.interrupt = lambda: not self.inbox.empty()
         self.thread = threading.Thread(target=self._run, name="kivi-ray-engine", daemon=True)
         self.thread.start()
 
     def submit(self, requests: list[Request]) -> Future:
+        if self.dead is not None:
+            raise RuntimeError(f"the engine thread stopped: {self.dead!r}")
         future: Future = Future()
-        self.inbox.put((requests, future))
+        self.inbox.put((requests, future, time.perf_counter()))
         return future
 
     def _run(self) -> None:
-        while True:
-            self._take(block=not self.engine.has_work())
-            if self.engine.has_work():
-                self._step()
-            self._answer()
+        try:
+            while True:
+                self._take(block=not self.engine.has_work())
+                self._answer()
+                if self.engine.has_work():
+                    self._step()
+                self._answer()
+        except BaseException as err:  # the loop itself broke: nobody may wait forever on it
+            log.exception("engine thread stopped")
+            self.dead = err
+            self._fail(list(self.in_flight.values()) + [f for _, f, _ in _drain(self.inbox)], err)
 
     def _step(self) -> None:
+        rows = Counter(id(seq.submission) for seq in self.engine.scheduler.running)
         subs, t0 = list(self.engine.active), time.perf_counter()
         try:
             self.engine.step()
         except Exception as err:  # noqa: BLE001 - fail the calls in flight, keep serving the next ones
-            log.exception("engine step failed: failing %d calls in flight", len(self.in_flight))
+            log.exception("engine step failed: failing %d calls in flight", len(self.engine.active))
+            self._answer()  # calls that finished before the failure keep their results
             self.engine.abort()
-            for future in self.in_flight.values():
-                future.set_exception(err)
-            self.in_flight, self.finished = {}, []
+            self._fail(list(self.in_flight.values()), err)
+            self.in_flight = {}
             return
-        share = (time.perf_counter() - t0) / max(1, len(subs))
-        for sub in subs:
-            sub.busy_s += share
+        elapsed, total = time.perf_counter() - t0, sum(rows.values())
+        for sub in subs:  # by rows in the batch; evenly when nothing was decoding yet (a first prefill)
+            sub.busy_s += elapsed * (rows[id(sub)] / total if total else 1 / len(subs))
 
     def _take(self, block: bool) -> None:
         """Hand every waiting list to the engine (waiting for one when it has nothing to do)."""
@@ -65,14 +79,15 @@ class EngineService:
         except queue.Empty:
             return
         while item is not None:
-            requests, future = item
+            requests, future, t_submit = item
             t0 = time.perf_counter()
             try:
-                sub = self.engine.add(requests, on_done=lambda s, f=future: self.finished.append((s, f)))
+                sub = self.engine.add(requests, on_done=lambda s, f=future: self.finished.append((s, f)),
+                                      t_start=t_submit)
                 sub.busy_s += time.perf_counter() - t0  # the first call's cache plan and graph capture
                 self.in_flight[id(sub)] = future
             except Exception as err:  # noqa: BLE001 - a bad list fails its own call only
-                future.set_exception(err)
+                self._fail([future], err)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -82,4 +97,21 @@ class EngineService:
         finished, self.finished = self.finished, []
         for sub, future in finished:
             self.in_flight.pop(id(sub), None)
-            future.set_result((sub.results, {**self.engine.stats(), **sub.peaks, "busy_s": sub.busy_s}))
+            stats = {**self.engine.stats(), **sub.peaks, "busy_s": sub.busy_s}
+            with contextlib.suppress(InvalidStateError):  # the caller gave up (cancelled) meanwhile
+                future.set_result((sub.results, stats))
+
+    @staticmethod
+    def _fail(futures: list[Future], err: BaseException) -> None:
+        for future in futures:
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(err)
+
+
+def _drain(inbox: queue.Queue) -> list:
+    items = []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items
