@@ -12,7 +12,6 @@ class TimeUp(Exception):
     """Raised inside the engine's generate() when the run reaches its time limit."""
 
 
-
 class RunnerProbe:
     """Counts what the engine's model runner is asked to do; raises TimeUp past the deadline."""
 

@@ -47,7 +47,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("kivi-backend", dict(choices=KIVI_BACKENDS, help="kernels: auto = triton on GPU, reference on CPU")),
     ("actors", dict(type=int, help="actor pool size (default: the cluster's GPUs / --gpus-per-actor, else 1)")),
     ("gpus-per-actor", dict(type=float, help="GPUs each actor holds; 0.5 puts two actors on a GPU (default: 1)")),
-    ("batch-size", dict(type=int, help="rows per actor call (default: 4 x --max-batch-size, or fewer so that "
+    ("batch-size", dict(type=int, help="rows per actor call (default: --max-batch-size, or fewer so that "
                                        "every actor gets a call)")),
     ("max-batch-size", dict(type=int, help="sequences the engine decodes together (default: 256)")),
     ("gpu-memory-utilization", dict(type=float, help="share of GPU memory the engine may use (default: 0.9)")),

@@ -122,7 +122,6 @@ class JobConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(JobConfig)}
 
 
-
 def _positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -35,8 +35,10 @@ def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
 
 
 def _where(path: str | None) -> str | None:
-    if path is None or "://" in path:
-        return path.rstrip("/") if path else path
+    if path is None:
+        return None
+    if "://" in path:
+        return path.rstrip("/")
     local = os.path.expanduser(path)
     return os.path.abspath(local) if os.path.exists(local) else path  # a hub id stays as it is
 

@@ -71,14 +71,13 @@ def check_model(job: JobConfig) -> None:
     with the KIVI cache, be a supported model type."""
     import kivi
 
-    model, gguf_file = model_location(job)
-    folder = os.path.expanduser(model)
-    if gguf_file is not None and not os.path.isfile(os.path.join(folder, gguf_file)):
+    model, gguf_file = model_location(job)  # "~" already expanded
+    if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
         raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
-    if model.startswith((".", "/", "~")) and not os.path.isdir(folder):
+    if model.startswith((".", "/")) and not os.path.isdir(model):
         raise ValueError(f"model folder {model!r} not found")
     try:
-        config = kivi.models.model_config(folder if os.path.isdir(folder) else model, gguf_file).get_text_config()
+        config = kivi.models.model_config(model, gguf_file).get_text_config()
     except (OSError, ValueError) as e:  # no such hub id, no network, no config.json: one line, before Ray starts
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot load the config of model {model!r}: {reason}") from None

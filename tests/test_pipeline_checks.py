@@ -30,9 +30,13 @@ def tiny_model(tmp_path):
     return str(tmp_path / "model")
 
 
-def write(path, **columns) -> None:
+def write_table(path, table: pa.Table) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table(columns), str(path))
+    pq.write_table(table, str(path))
+
+
+def write(path, **columns) -> None:
+    write_table(path, pa.table(columns))
 
 
 def test_column_types_must_merge_across_files(tmp_path):
@@ -80,11 +84,6 @@ def complete_output(tmp_path, job: JobConfig, name: str = "a") -> None:
     write_table(tmp_path / f"out/{name}.parquet", table)
     (tmp_path / "out/_stats").mkdir(exist_ok=True)
     (tmp_path / "out/_stats/summary.json").write_text('{"summary": "of the run that made it"}')
-
-
-def write_table(path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, str(path))
 
 
 @pytest.mark.parametrize("change", [

@@ -165,7 +165,7 @@ def _actor_id() -> str:
 
 
 class StreamingGenerateActor(GenerateActor):
-    """The pipeline's UDF. Ray Data runs a few calls of each actor at once (map_batches max_concurrency, an
+    """The pipeline's UDF. Ray Data runs a few calls of each actor at once (pipeline.run.actor_pool, an
     async __call__); they share the actor's one engine through an EngineService, which admits a call's rows
     while the rows of earlier calls still decode, so the engine stays wide from one call to the next."""
 

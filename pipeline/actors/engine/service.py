@@ -47,7 +47,6 @@ class EngineService:
         try:
             while True:
                 self._take(block=not self.engine.has_work())
-                self._answer()
                 if self.engine.has_work():
                     self._step()
                 self._answer()
