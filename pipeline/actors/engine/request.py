@@ -116,7 +116,6 @@ class Sequence:
     finish_reason: str | None = None
     text: str | None = None  # set when a stop string cuts the output
     t_first: float | None = None
-    t_done: float | None = None
 
     @classmethod
     def start(cls, index: int, request: Request, max_new_tokens: int, submission: Submission | None = None
