@@ -16,8 +16,8 @@ Systems (all in one process, same prompts, same random-weight bf16 model per sha
   engine-bf16    LLMEngine, paged bf16 cache, continuous batching (every prompt submitted in one generate())
   engine-kivi-4  LLMEngine, KIVI 4-bit cache
   engine-kivi-2  LLMEngine, KIVI 2-bit cache
-  <engine system>/<variant>  the same with one engine setting changed (/unfused, /projections, /sync: see
-                 engine_probe.VARIANTS), e.g. --systems engine-kivi-2,engine-kivi-2/projections for an A/B on
+  <engine system>/<variant>  the same with one engine setting changed (/unfused, /separate, /sync: see
+                 engine_probe.VARIANTS), e.g. --systems engine-kivi-2,engine-kivi-2/separate for an A/B on
                  one machine in one run
 
 How each number is measured:
@@ -182,7 +182,7 @@ def parse_args(argv=None):
     p.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig.cuda_graphs=False")
     p.add_argument("--no-fused-layers", action="store_true", help="EngineConfig.fused_layers=False")
     p.add_argument("--no-decode-ahead", action="store_true", help="EngineConfig.decode_ahead=False")
-    p.add_argument("--fused-projections", action="store_true", help="EngineConfig.fused_projections=True")
+    p.add_argument("--separate-projections", action="store_true", help="EngineConfig.fused_projections=False")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="first device run: workloads b,e at 40 GiB on llama2-7b, "
                    "all systems, modest prompt counts, ~6 minutes")
@@ -201,7 +201,7 @@ class Context:
     cuda_graphs: bool
     fused_layers: bool = True
     decode_ahead: bool = True
-    fused_projections: bool = False
+    fused_projections: bool = True
     cpu_batch: int = 4
     hf_batch: int = 0  # force the static batch size (0: from bytes)
     cpu_cache_gib: float = 1.0
@@ -271,7 +271,7 @@ def main(argv=None) -> dict:
                   budget_end=t_launch + budget if budget else float("inf"), engine_max_batch=(
                       min(args.engine_max_batch, 4) if smoke else args.engine_max_batch),
                   cuda_graphs=not args.no_cuda_graphs, fused_layers=not args.no_fused_layers,
-                  decode_ahead=not args.no_decode_ahead, fused_projections=args.fused_projections,
+                  decode_ahead=not args.no_decode_ahead, fused_projections=not args.separate_projections,
                   cpu_cache_gib=0.05 if smoke else 1.0,
                   kivi_kw=dict(SMOKE_KIVI) if smoke else {}, hf_batch=args.hf_batch)
     log(f"bench_engine on {header['gpu']}: torch {header['torch']}, transformers {header['transformers']}, "

@@ -97,13 +97,13 @@ def build_engine(engine, requests) -> bool:
 # "<system>/<variant>" runs the system with one engine setting changed, for an A/B inside one run
 VARIANTS = {
     "unfused": dict(fused_layers=False),  # transformers' own RMSNorm and rotary ops
-    "projections": dict(fused_projections=True),  # one q/k/v product and one gate/up product
+    "separate": dict(fused_projections=False),  # q, k, v, gate and up as separate products
     "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
 }
 
 
 def split_system(system: str) -> tuple[str, str | None]:
-    """("engine-kivi-2", "projections") for "engine-kivi-2/projections"; raises ValueError on an unknown variant."""
+    """("engine-kivi-2", "sync") for "engine-kivi-2/sync"; raises ValueError on an unknown variant."""
     name, _, variant = system.partition("/")
     if variant and (not name.startswith("engine") or variant not in VARIANTS):
         raise ValueError(f"system {system!r}: variants are engine-<cache>/{{{','.join(VARIANTS)}}}")

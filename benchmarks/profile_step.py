@@ -15,7 +15,7 @@ per system and one JSON object last.
 --phase prefill profiles the prefills instead (from the first prefill to the first decode step) and reports
 kernel times per 1,000 prompt tokens. A system named with a suffix runs with one engine setting changed, for
 an A/B in one process (engine_probe.VARIANTS): "/unfused" (transformers' own RMSNorm and rotary ops),
-"/projections" (one q/k/v product, one gate/up product), "/sync" (no decode-ahead).
+"/separate" (q, k, v, gate and up as separate products), "/sync" (no decode-ahead).
 
 On a CPU (`--cpu-smoke`: a tiny model, reference kernels): only checks that the script runs.
 """

@@ -7,8 +7,8 @@ where transformers' ops round, so outputs match the unpatched model to the last 
 config.model_type; other types raise. The rotary patch is a module global: while the context is open it also
 applies to other models of the same type in this process. Calls the kernels do not take (another dtype for
 cos/sin, unsqueeze_dim != 1, a head_dim that is not a power of two) fall through to transformers' function.
-With projections=True (off by default: not measured on a GPU yet) the q/k/v products of each attention and
-the gate/up products of each MLP also run as one matmul each (fuse_projections).
+With projections=True (the engine's default, EngineConfig.fused_projections) the q/k/v products of each
+attention and the gate/up products of each MLP also run as one matmul each (fuse_projections).
 """
 
 from __future__ import annotations

@@ -313,6 +313,8 @@ def test_sampler_respects_top_k_top_p_and_greedy_rows():
     assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on the CPU model under the "
+                    "interpreter; on a GPU test_fused_projections_on_a_gpu_keep_the_tokens covers the fused layers")
 def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
     """The engine's forwards run inside FusedLayers (on a GPU by default; forced here with the Triton kernels
     under the interpreter): the kernels are called in prefill and decode, completions still equal generate()

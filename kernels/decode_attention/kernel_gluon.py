@@ -21,6 +21,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .kernel_gluon_async import _load_packed, _packed_loop_async
+from .kernel_gluon_magic import _finish_values, _lane_partials, _packed_step_magic
 from .kernel_gluon_step import _LR, _packed_step, _ring_block
 
 
@@ -38,7 +39,7 @@ def _decode_attention_fma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    BLOCK_N: gl.constexpr = 128, ASYNC: gl.constexpr = False,
+    BLOCK_N: gl.constexpr = 128, ASYNC: gl.constexpr = False, MAGIC: gl.constexpr = False,
 ):
     """grid (B, H, num_splits): query head h of row b against KV head h (Hq == H), one split of the keys.
 
@@ -82,25 +83,38 @@ def _decode_attention_fma_kernel(
     q_hi = gl.load(q_row + (offs_w * 16 + 8)[:, None] + offs_cc[None, :]).to(gl.float32) * qk_scale
     m_i = gl.to_tensor(float("-inf"))
     l_i = gl.to_tensor(0.0)
-    acc_lo = gl.zeros([8, 8], gl.float32, layout=ACC2)
-    acc_hi = gl.zeros([8, 8], gl.float32, layout=ACC2)
+    # MAGIC: raw per-lane value partials (kernel_gluon_magic.py) until the packed loop ends
+    if MAGIC:
+        acc_lo, acc_hi, m_acc, off_acc = _lane_partials(LV)
+    else:
+        acc_lo = gl.zeros([8, 8], gl.float32, layout=ACC2)
+        acc_hi = gl.zeros([8, 8], gl.float32, layout=ACC2)
+        m_acc, off_acc = l_i, l_i  # unused
     # stage 2: packed blocks through the block table
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     if ASYNC:
         if lo < n_end:
-            m_i, l_i, acc_lo, acc_hi = _packed_loop_async(
+            m_i, l_i, acc_lo, acc_hi, m_acc, off_acc = _packed_loop_async(
                 q_c, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, lo, n_end, nq, m_i, l_i, acc_lo,
-                acc_hi, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
-                stride_vs_h, LK, LV, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, BLOCK_N)
+                acc_hi, m_acc, off_acc, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h,
+                stride_vs_n, stride_vs_h, LK, LV, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE,
+                BLOCK_N, MAGIC)
     else:
         for blk in range(lo, n_end):
             kw, km, ko, v0w, v0m, v0o, v1w, v1m, v1o = _load_packed(
                 kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk, n_end, nq, stride_kc_n, stride_kc_h,
                 stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h, LK, LV, stride_kc_w,
                 stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, BLOCK_N)
-            m_i, l_i, acc_lo, acc_hi = _packed_step(q_c, kw, km, ko, v0w, v0m, v0o, v1w, v1m, v1o,
-                                                    nq - blk * BLOCK_N, m_i, l_i, acc_lo, acc_hi, LK, LV)
+            if MAGIC:
+                m_i, l_i, acc_lo, acc_hi, m_acc, off_acc = _packed_step_magic(
+                    q_c, kw, km, ko, v0w, v0m, v0o, v1w, v1m, v1o, nq - blk * BLOCK_N, m_i, l_i, acc_lo, acc_hi, m_acc,
+                    off_acc, LK, LV)
+            else:
+                m_i, l_i, acc_lo, acc_hi = _packed_step(q_c, kw, km, ko, v0w, v0m, v0o, v1w, v1m, v1o,
+                                                        nq - blk * BLOCK_N, m_i, l_i, acc_lo, acc_hi, LK, LV)
+    if MAGIC:
+        acc_lo, acc_hi = _finish_values(acc_lo, acc_hi, m_acc, off_acc, ACC2)
     # stage 3: the full-precision ring (ring order never matters), 32 slots at a time
     res = slot * stride_res_s + h * stride_res_h
     nq_mod = nq % RESIDUAL

@@ -7,6 +7,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
+from .kernel_gluon_magic import _packed_step_magic
 from .kernel_gluon_step import _block_load, _packed_step, _value_scales
 
 # cp.async from global to shared memory: async_copy_global_to_shared in triton 3.6, async_load from 3.7 on
@@ -76,13 +77,15 @@ def _issue_block(kw_smem, ks_smem, kz_smem, vw_smem, stage, kc_ptr, ks_ptr, kz_p
 
 @gluon.jit
 def _packed_loop_async(q_c, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, lo, n_end, nq,
-                       m_i, l_i, acc_lo, acc_hi, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n,
-                       stride_vc_h, stride_vs_n, stride_vs_h, LK: gl.constexpr, LV: gl.constexpr,
+                       m_i, l_i, acc_lo, acc_hi, m_acc, off_acc, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h,
+                       stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h, LK: gl.constexpr, LV: gl.constexpr,
                        stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
-                       stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+                       stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                       MAGIC: gl.constexpr):
     """Packed blocks [lo, n_end) through two shared-memory stages: block blk + 1's words arrive by cp.async
     while block blk's math runs (the compiler cannot move these copies next to their use, as it does with
-    register prefetches). Value scales are plain loads, issued at the top of each step."""
+    register prefetches). Value scales are plain loads, issued at the top of each step. MAGIC: the steps of
+    kernel_gluon_magic.py (m_acc and off_acc carry its raw partials; otherwise they pass through)."""
     K_WORDS: gl.constexpr = BLOCK_N // 16
     SH3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # per stage
     SH4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
@@ -111,8 +114,14 @@ def _packed_loop_async(q_c, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_r
         k_off = kz_smem.index(stage).permute([1, 0]).load(KW2).to(gl.float32) - k_mult
         v0_words = vw_smem.index(2 * stage).permute([1, 0, 2]).load(VT3)
         v1_words = vw_smem.index(2 * stage + 1).permute([1, 0, 2]).load(VT3)
-        m_i, l_i, acc_lo, acc_hi = _packed_step(q_c, k_words, k_mult, k_off, v0_words, v0_mult, v0_off, v1_words,
-                                                v1_mult, v1_off, n_valid, m_i, l_i, acc_lo, acc_hi, LK, LV)
+        if MAGIC:
+            m_i, l_i, acc_lo, acc_hi, m_acc, off_acc = _packed_step_magic(
+                q_c, k_words, k_mult, k_off, v0_words, v0_mult, v0_off, v1_words, v1_mult, v1_off, n_valid, m_i, l_i,
+                acc_lo, acc_hi, m_acc, off_acc, LK, LV)
+        else:
+            m_i, l_i, acc_lo, acc_hi = _packed_step(q_c, k_words, k_mult, k_off, v0_words, v0_mult, v0_off,
+                                                    v1_words, v1_mult, v1_off, n_valid, m_i, l_i, acc_lo, acc_hi, LK,
+                                                    LV)
     cp.wait_group(0)
-    return m_i, l_i, acc_lo, acc_hi
+    return m_i, l_i, acc_lo, acc_hi, m_acc, off_acc
 

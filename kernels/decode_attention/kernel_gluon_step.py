@@ -96,6 +96,17 @@ def _block_load(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, off, n_valid, LK
 
 
 @gluon.jit
+def _softmax_step(s_lo, s_hi, m_i, l_i):
+    """Online softmax over a block's scores (log2 domain): (m_new, alpha, p_lo, p_hi, l_i)."""
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(gl.max(s_lo, axis=1), axis=0), gl.max(gl.max(s_hi, axis=1), axis=0)))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p_lo = gl.exp2(s_lo - m_safe)
+    p_hi = gl.exp2(s_hi - m_safe)
+    return m_new, alpha, p_lo, p_hi, l_i * alpha + gl.sum(gl.sum(p_lo + p_hi, axis=1), axis=0)
+
+
+@gluon.jit
 def _packed_step(q_c, k_words, k_mult, k_off, v0_words, v0_mult, v0_off, v1_words, v1_mult, v1_off, n_valid,
                  m_i, l_i, acc_lo, acc_hi, LK: gl.constexpr, LV: gl.constexpr):
     """One online-softmax step over a block's loaded words (_block_load); n_valid counts its valid tokens."""
@@ -112,12 +123,7 @@ def _packed_step(q_c, k_words, k_mult, k_off, v0_words, v0_mult, v0_off, v1_word
     s_lo = gl.where(tok < n_valid, gl.sum(lo * q_mult, axis=0) + bias, float("-inf"))
     s_hi = gl.where(tok + 8 < n_valid, gl.sum(hi * q_mult, axis=0) + bias, float("-inf"))
     # stage 3: online softmax
-    m_new = gl.maximum(m_i, gl.maximum(gl.max(gl.max(s_lo, axis=1), axis=0), gl.max(gl.max(s_hi, axis=1), axis=0)))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p_lo = gl.exp2(s_lo - m_safe)
-    p_hi = gl.exp2(s_hi - m_safe)
-    l_i = l_i * alpha + gl.sum(gl.sum(p_lo + p_hi, axis=1), axis=0)
+    m_new, alpha, p_lo, p_hi, l_i = _softmax_step(s_lo, s_hi, m_i, l_i)
     # stage 4: the values of both token halves into acc (channel 16 w + c: acc_lo, 16 w + 8 + c: acc_hi); the
     # halves add inside each thread before the sum across lanes
     v0_lo, v0_hi = _value_sum(v0_words, v0_mult, v0_off, p_lo, LV)

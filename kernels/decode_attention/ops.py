@@ -109,6 +109,7 @@ def decode_attention(
     fma: bool | None = None,
     maxnreg: int | None = None,
     cp_async: bool | None = None,
+    magic: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -124,7 +125,8 @@ def decode_attention(
     other knobs only num_splits and block_n (64 or 128) apply to it), maxnreg (the FMA kernel's register cap per
     thread, which sets how many of its one-warp programs an SM holds), cp_async (the FMA kernel copies the next
     packed block's words into shared memory while it computes the current one; default: where the page
-    tensors' strides allow it).
+    tensors' strides allow it), magic (the FMA kernel's version 13 step, kernel_gluon_magic.py; default
+    ops_fma.FMA_MAGIC).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -149,7 +151,7 @@ def decode_attention(
                              f"page_size={page_size}, group_size={group_size}, device={q.device}")
         return launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                            seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          FMA_BLOCK_N if block_n is None else block_n, maxnreg, cp_async)
+                          FMA_BLOCK_N if block_n is None else block_n, maxnreg, cp_async, magic)
     dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)

@@ -29,6 +29,8 @@ FMA_CP_ASYNC = True  # the next packed block's words through two shared-memory s
 FMA_MAXNREG = 144  # register cap per thread with cp.async
 FMA_PER_SM = 48  # programs per SM its split count aims for with cp.async
 FMA_MAXNREG_PLAIN = 128
+# version 13 (kernel_gluon_magic.py): one LOP3 per code, no widening, per-lane value partials; unmeasured
+FMA_MAGIC = False
 FMA_PER_SM_PLAIN = 32
 # below this many (KV row x token) pairs per call the tensor-core table measured faster (version 12,
 # kernels-20261129-h200-sweep-small.json, 32/32 heads: 7.8 vs 14.2 us at B=1, L=512, 15.9 vs 23.5 at B=1,
@@ -64,9 +66,9 @@ def fma_by_default(rows: int, max_tokens: int, eligible: bool) -> bool:
 
 def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                 out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n=FMA_BLOCK_N,
-                maxnreg=None, cp_async=None) -> torch.Tensor:
+                maxnreg=None, cp_async=None, magic=None) -> torch.Tensor:
     """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. cp_async None:
-    where the caches allow it (cp_async_aligned); maxnreg None: the chosen loop's cap."""
+    where the caches allow it (cp_async_aligned); maxnreg None: the chosen loop's cap; magic None: FMA_MAGIC."""
     batch, heads, _ = q.shape
     C.check_int(_OP, "block_n", block_n, (64, 128))
     aligned = cp_async_aligned(k_codes, k_scale, k_zero, v_codes)
@@ -91,7 +93,7 @@ def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
         **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
         GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, BLOCK_N=block_n,
-        ASYNC=cp_async, num_warps=1, maxnreg=maxnreg,
+        ASYNC=cp_async, MAGIC=FMA_MAGIC if magic is None else bool(magic), num_warps=1, maxnreg=maxnreg,
     )
     if workspace is not None:
         C.merge_splits(*workspace, out)

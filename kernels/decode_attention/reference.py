@@ -80,9 +80,13 @@ def decode_attention(
     lazy: bool | None = None,
     key_vec: int | None = None,
     swap_ab: bool | None = None,
+    fma: bool | None = None,
+    maxnreg: int | None = None,
+    cp_async: bool | None = None,
+    magic: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
-    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab
+    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, maxnreg, cp_async, magic
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()
