@@ -29,8 +29,10 @@ FMA_CP_ASYNC = True  # the next packed block's words through two shared-memory s
 FMA_MAXNREG = 144  # register cap per thread with cp.async
 FMA_PER_SM = 48  # programs per SM its split count aims for with cp.async
 FMA_MAXNREG_PLAIN = 128
-# version 13 (kernel_gluon_magic.py): one LOP3 per code, no widening, per-lane value partials; unmeasured
-FMA_MAGIC = False
+# version 13 (kernel_gluon_magic.py): one LOP3 per code, no widening, per-lane value partials. 1.08-1.15x over
+# version 12 on every shape of kernels-20261129-h200-sweep-magic.json (B=256, L=4,096: 1,534 vs 1,769 us); the
+# engine on workload b: 14.25 vs 14.99 ms per decode step (engine-20261129-h200-magic.json)
+FMA_MAGIC = True
 FMA_PER_SM_PLAIN = 32
 # below this many (KV row x token) pairs per call the tensor-core table measured faster (version 12,
 # kernels-20261129-h200-sweep-small.json, 32/32 heads: 7.8 vs 14.2 us at B=1, L=512, 15.9 vs 23.5 at B=1,
