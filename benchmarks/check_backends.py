@@ -13,14 +13,18 @@ import argparse
 import inspect
 import json
 import os
+import sys
 import time
 import warnings
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, as the other scripts do
 
-import kivi
-from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa: E402
+
+import kivi  # noqa: E402
+from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
