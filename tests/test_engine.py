@@ -313,8 +313,8 @@ def test_sampler_respects_top_k_top_p_and_greedy_rows():
     assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on the CPU model under the "
-                    "interpreter; on a GPU test_fused_projections_on_a_gpu_keep_the_tokens covers the fused layers")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the Triton kernels on a CPU model under the "
+                    "interpreter; on a GPU the engine's GPU tests below run them compiled (not counted)")
 def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
     """The engine's forwards run inside FusedLayers (on a GPU by default; forced here with the Triton kernels
     under the interpreter): the kernels are called in prefill and decode, completions still equal generate()
@@ -430,4 +430,5 @@ def test_fused_projections_on_a_gpu_keep_the_tokens():
         engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=None, max_batch_size=4, fused_projections=fused,
                                                                max_prefill_tokens=1024, memory_limit_gib=4.0))
         outs.append([c.token_ids for c in engine.generate(reqs)])
+        assert hasattr(model.model.layers[0].self_attn.q_proj, "_kivi_fused") == fused  # one product, or three
     assert outs[0] == outs[1]

@@ -12,8 +12,8 @@ share scaled by f_r, which is undone once per score or output channel: with mult
 4 scale and M = sum of the mult weights (q mult for keys, p mult for values),
     sum w (mult (1 + c / 4) + off) = T / f_r + M (1 - 1 / f_r) + sum w off,     T = sum w mult u.
 The subtraction costs precision: T holds the codes' share at 2^-6 of its size for r = 0, so fp32 rounding of
-T reaches the result scaled by up to 64 (about 1e-4 of a score in log2 units, 3e-5 of an output at 32k tokens
-against fp32 math; bf16 and fp16 outputs do not see it).
+T reaches the result scaled by up to 64 (about 1e-4 of a score in log2 units and 4e-5 to 1.5e-4 of an output
+against fp32 math on the tests' cases; bf16 and fp16 outputs do not see it).
 
 Values. Each lane keeps its own partial sums over its token group (lanes of dim 0 of the value layout) with
 their M and sum p off, rescaled by alpha each step like the accumulator, and _finish_values corrects and sums
