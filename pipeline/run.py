@@ -5,17 +5,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 from typing import Any
-
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from pipeline import resume, stats
 from pipeline.actors.actor import StreamingGenerateActor, model_location
 from pipeline.config import JobConfig
 from pipeline.io import InputPlan, Shard, plan_input, read_dataset
+from pipeline.progress import LiveCounter, Progress
 from pipeline.sink import OutputStore, ShardAssembler
 
 log = logging.getLogger("kivi_ray")
@@ -154,52 +151,17 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, batch_size)
     # streaming repartition into blocks of one actor call each: actors take blocks, so a few large
     # blocks (small inputs are read into one) would leave the rest of the pool idle
+    counter = ray.remote(num_cpus=0)(LiveCounter).remote()  # the engines' live rows and tokens
     ds = read_dataset(plan, shards).repartition(target_num_rows_per_block=batch_size).map_batches(
         StreamingGenerateActor,
-        fn_constructor_kwargs={"job": job.to_dict(), "source": plan.source},
+        fn_constructor_kwargs={"job": job.to_dict(), "source": plan.source, "progress": counter},
         **actor_pool(size),
         batch_size=batch_size,
         batch_format="pyarrow",
         **resources,
     )
-    with Progress(total, job.log_interval_s) as progress:
+    live = lambda: ray.get(counter.totals.remote(), timeout=max(1.0, job.log_interval_s / 2))  # noqa: E731
+    with Progress(total, job.log_interval_s, live) as progress:
         assembler.on_row_batch = progress.add
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             assembler.add(batch)
-
-
-class Progress:
-    """Logs rows done and output tokens/s every `interval` seconds from a background thread."""
-
-    def __init__(self, total: int, interval: float):
-        self.total, self.interval = total, interval
-        self.rows = self.tokens = 0
-        self.start = time.perf_counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kivi-ray-progress", daemon=True)
-
-    def add(self, batch: pa.Table) -> None:
-        self.rows += batch.num_rows
-        self.tokens += pc.sum(batch["num_generated_tokens"]).as_py() or 0
-
-    def line(self) -> str:
-        elapsed = time.perf_counter() - self.start
-        pct = 100.0 * self.rows / self.total if self.total else 100.0
-        rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        return (
-            f"progress: {self.rows}/{self.total} rows ({pct:.1f}%), {self.tokens} tokens generated, "
-            f"{rate:.1f} output tokens/s, {elapsed:.0f} s elapsed"
-        )
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            log.info("%s", self.line())
-
-    def __enter__(self) -> Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        log.info("%s", self.line())

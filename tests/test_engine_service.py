@@ -133,3 +133,27 @@ def test_a_cancelled_call_or_a_failed_prefill_leaves_the_service_working(tiny, m
     assert engine.blocks.pages_in_use == 0
     completions, _ = service.submit(requests([7, 9], [5, 6], seed=4)).result(timeout=300)
     assert [len(c.token_ids) for c in completions] == [5, 6]
+
+
+def test_the_reporter_counts_every_finished_row_and_generated_token(tiny):  # noqa: F811
+    """Live progress: the reporter's deltas add up to the rows and tokens of the completions, whatever the
+    interval; they are all in by the time the calls are answered (the last report runs first)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = torch.randint(4, 40, (7,), generator=gen).tolist()
+    new = torch.randint(1, 20, (7,), generator=gen).tolist()
+    reqs = requests(lengths, new, seed=int(torch.randint(0, 2**31, ())))
+    bad = Request(request_id="too long", prompt_token_ids=[1] * 600, sampling=SamplingParams(max_new_tokens=3))
+    for report_s in (0.0, 3600.0):  # every step; only when the engine runs out of work
+        reports: list[tuple[int, int]] = []
+        engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=3))
+        service = EngineService(engine, reporter=lambda rows, tokens, out=reports: out.append((rows, tokens)),
+                                report_s=report_s)
+        futures = start_together(service, [reqs[:4], reqs[4:] + [bad]])
+        completions = [c for f in futures for c in f.result(timeout=300)[0]]
+        good = [c for c in completions if c.finish_reason != "error"]
+        assert len(good) == len(reqs)
+        assert sum(r for r, _ in reports) == len(good)
+        assert sum(t for _, t in reports) == sum(len(c.token_ids) for c in good)
+        assert all(r >= 0 and t >= 0 and (r or t) for r, t in reports)
+        if report_s:
+            assert len(reports) <= 2  # once per time the engine ran dry

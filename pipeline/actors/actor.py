@@ -169,11 +169,14 @@ class StreamingGenerateActor(GenerateActor):
     async __call__); they share the actor's one engine through an EngineService, which admits a call's rows
     while the rows of earlier calls still decode, so the engine stays wide from one call to the next."""
 
-    def __init__(self, job: dict[str, Any], source: str, loader: EngineLoader | None = None):
+    def __init__(self, job: dict[str, Any], source: str, loader: EngineLoader | None = None, progress=None):
+        """progress: a handle of the driver's pipeline.progress.LiveCounter actor (or None), told the rows and
+        tokens the engine finishes while calls are in flight, every half progress interval."""
         from pipeline.actors.engine.service import EngineService
 
         super().__init__(job, source, loader)
-        self.service = EngineService(self.engine)
+        reporter = None if progress is None else lambda rows, tokens: progress.add.remote(rows, tokens)
+        self.service = EngineService(self.engine, reporter, report_s=max(0.5, self.job.log_interval_s / 2))
 
     async def __call__(self, batch: pa.Table):
         start = time.perf_counter()

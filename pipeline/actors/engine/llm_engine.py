@@ -46,6 +46,7 @@ class LLMEngine:
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
         self.active: list[Submission] = []  # calls of add() with requests still in flight
         self.interrupt: Callable[[], bool] = lambda: False  # True: end a run of decode steps launched ahead
+        self.generated_tokens = self.finished_rows = 0  # since the engine was made (live progress)
         self.reset_stats()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -252,6 +253,7 @@ class LLMEngine:
                 seq.finish_reason = "stop"
             else:
                 seq.output.append(token)
+                self.generated_tokens += 1
                 if seq.hit_stop_string(self.tokenizer):
                     seq.finish_reason = "stop"
                 elif len(seq.output) >= seq.max_new_tokens:
@@ -271,6 +273,7 @@ class LLMEngine:
         ))
 
     def _complete(self, seq: Sequence, completion: Completion) -> None:
+        self.finished_rows += 1
         sub = seq.submission
         sub.results[seq.index] = completion
         sub.pending -= 1

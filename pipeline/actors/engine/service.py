@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 
 from pipeline.actors.engine.request import Request, Submission
@@ -24,10 +25,14 @@ log = logging.getLogger(__name__)
 
 class EngineService:
     """submit(requests) -> Future of (completions in request order, the engine's stats with this call's cache
-    peaks and its share of the engine's time, `busy_s`)."""
+    peaks and its share of the engine's time, `busy_s`). reporter(rows, tokens), if given, gets the rows the
+    engine finished and the tokens it generated since its last call, at most every `report_s` seconds while
+    the engine works and once more when it runs out of work (live progress; the rows come back later)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, reporter: Callable[[int, int], None] | None = None, report_s: float = 5.0) -> None:
         self.engine = engine
+        self.reporter, self.report_s = reporter, report_s
+        self.reported = (0, 0, time.perf_counter())  # rows, tokens, when
         self.inbox: queue.Queue[tuple[list[Request], Future, float]] = queue.Queue()
         self.in_flight: dict[int, Future] = {}  # id(submission) -> its caller's future
         self.finished: list[tuple[Submission, Future]] = []  # done inside a step, answered after it
@@ -49,6 +54,7 @@ class EngineService:
                 self._take(block=not self.engine.has_work())
                 if self.engine.has_work():
                     self._step()
+                self._report(force=not self.engine.has_work())  # before the answers: counted when they arrive
                 self._answer()
         except BaseException as err:  # the loop itself broke: nobody may wait forever on it
             log.exception("engine thread stopped")
@@ -70,6 +76,18 @@ class EngineService:
         elapsed, total = time.perf_counter() - t0, sum(rows.values())
         for sub in subs:  # by rows in the batch; evenly when nothing was decoding yet (a first prefill)
             sub.busy_s += elapsed * (rows[id(sub)] / total if total else 1 / len(subs))
+
+    def _report(self, force: bool) -> None:
+        rows, tokens, when = self.reported
+        now = time.perf_counter()
+        new = (self.engine.finished_rows - rows, self.engine.generated_tokens - tokens)
+        if self.reporter is None or not any(new) or (not force and now - when < self.report_s):
+            return
+        self.reported = (self.engine.finished_rows, self.engine.generated_tokens, now)
+        try:
+            self.reporter(*new)
+        except Exception:  # noqa: BLE001 - progress is best effort; generation goes on
+            log.warning("progress report failed", exc_info=True)
 
     def _take(self, block: bool) -> None:
         """Hand every waiting list to the engine (waiting for one when it has nothing to do)."""
