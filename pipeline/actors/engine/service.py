@@ -27,7 +27,8 @@ class EngineService:
     """submit(requests) -> Future of (completions in request order, the engine's stats with this call's cache
     peaks and its share of the engine's time, `busy_s`). reporter(rows, tokens), if given, gets the rows the
     engine finished and the tokens it generated since its last call, at most every `report_s` seconds while
-    the engine works and once more when it runs out of work (live progress; the rows come back later)."""
+    the engine works (between steps, and between the decode steps of a run) and once more when it runs out of
+    work (live progress; the rows come back later)."""
 
     def __init__(self, engine, reporter: Callable[[int, int], None] | None = None, report_s: float = 5.0) -> None:
         self.engine = engine
@@ -37,7 +38,7 @@ class EngineService:
         self.in_flight: dict[int, Future] = {}  # id(submission) -> its caller's future
         self.finished: list[tuple[Submission, Future]] = []  # done inside a step, answered after it
         self.dead: BaseException | None = None
-        engine.interrupt = lambda: not self.inbox.empty()
+        engine.interrupt = self._interrupt
         self.thread = threading.Thread(target=self._run, name="kivi-ray-engine", daemon=True)
         self.thread.start()
 
@@ -76,6 +77,12 @@ class EngineService:
         elapsed, total = time.perf_counter() - t0, sum(rows.values())
         for sub in subs:  # by rows in the batch; evenly when nothing was decoding yet (a first prefill)
             sub.busy_s += elapsed * (rows[id(sub)] / total if total else 1 / len(subs))
+
+    def _interrupt(self) -> bool:
+        """Polled by the engine between the decode steps of a run: reports progress on the way (a run can last
+        many seconds), and ends the run when a list is waiting."""
+        self._report(force=False)
+        return not self.inbox.empty()
 
     def _report(self, force: bool) -> None:
         rows, tokens, when = self.reported
