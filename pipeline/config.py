@@ -104,6 +104,11 @@ class JobConfig:
             backend=backend,
         )
 
+    def model_dtype(self) -> str:
+        """The dtype the model loads in: "auto" is bfloat16, on the CPU too (as fast as fp32 there, measured), so
+        the cache holds what a bf16 cache would and its size compares with kv_cache_bytes_bf16 like for like."""
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
     def sampling_defaults(self):
         """The job's sampling settings (pipeline.actors.engine.SamplingParams, which validates them): every
         SamplingParams field is a JobConfig field of the same name."""

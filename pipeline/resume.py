@@ -29,7 +29,7 @@ def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
         out.update(kv_bits=None, group_size=None, residual_length=None)
     model, gguf_file = model_location(job) if job.model is not None else (None, None)  # None: the shipped default
     out.update(input=_where(job.input), model=_where(model), gguf_file=gguf_file,
-               dtype="bfloat16" if job.dtype == "auto" else job.dtype,
+               dtype=job.model_dtype(),
                hf_shard_rows=job.hf_shard_rows if plan.kind == "hf" else None)
     return out
 

@@ -33,10 +33,7 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
     if backend == "auto":
         backend = "triton" if torch.cuda.is_available() else "reference"
     cache = job.kivi_config(backend)
-    # auto: bf16 on the CPU too (as fast as fp32 there, measured), so the cache holds what a bf16 cache
-    # would and its size compares with kv_cache_bytes_bf16 like for like
-    dtype = "bfloat16" if job.dtype == "auto" else job.dtype
-    hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=dtype, kivi=cache)
+    hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=job.model_dtype(), kivi=cache)
     config = EngineConfig(
         kivi=cache,
         # actors sharing a GPU each plan for their share of its memory

@@ -188,8 +188,7 @@ class LLMEngine:
             return
         t0, steps = time.perf_counter(), 0
         # the sampling rows go to the device before the step: a copy queued behind it would wait for it
-        pick = picker([s.request.sampling for s in running], [s.seed for s in running],
-                      [len(s.output) for s in running], self.device) if self.config.decode_ahead else None
+        pick = _picker(running, self.device) if self.config.decode_ahead else None
         try:
             logits = self.runner.decode([s.output[-1] for s in running], [s.cached_len - 1 for s in running],
                                         [s.slot for s in running])
@@ -238,9 +237,7 @@ class LLMEngine:
                     len(seqs), self.scheduler.prefill_tokens)
 
     def _sample_and_advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        pick = picker([s.request.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs],
-                      logits.device)
-        self._advance(seqs, pick(logits, 0).tolist(), time.perf_counter())
+        self._advance(seqs, _picker(seqs, logits.device)(logits, 0).tolist(), time.perf_counter())
 
     def _advance(self, seqs: list[Sequence], tokens: list[int], now: float) -> None:
         """Row b of `seqs` got tokens[b]; rows that finished at an earlier step are skipped."""
@@ -309,3 +306,8 @@ class LLMEngine:
         if self.runner is not None:
             out.update(num_slots=self.plan.num_slots, num_pages=self.plan.num_pages)
         return out
+
+
+def _picker(seqs: list[Sequence], device: torch.device):
+    """sampler.picker for these sequences: their sampling settings, seeds and tokens generated so far."""
+    return picker([s.request.sampling for s in seqs], [s.seed for s in seqs], [len(s.output) for s in seqs], device)
