@@ -293,6 +293,41 @@ def test_fma_kernel_matches_reference(case: Case):
             assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
 
 
+# Version 14, the tensor-core kernel with register-built fragments (kernel_mma.py): 1 to 8 query heads per KV
+# head, fp16 / bf16, odd lengths, empty and ring-only rows, splits, G=32/64/128, R=64/128/192, pages of 64/256.
+MMA_CASES = [
+    Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=3),
+    Case((700, 33, 129, 2000), 8, 1, 128, 2, 2, dtype=torch.float16, num_splits=5, page_size=256),
+    Case((900, 77, 5), 6, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
+    Case((500, 150), 4, 4, 128, 2, 2, group_size=128, residual=128, dtype=torch.float16, num_splits=2),
+    Case((333, 290, 96), 14, 2, 128, 2, 2, page_size=64, dtype=torch.bfloat16, num_splits=7),
+    Case((2000, 1), 6, 2, 128, 2, 2, dtype=torch.float16, num_splits=40),
+    Case((20000, 3000), 4, 1, 128, 2, 2, dtype=torch.bfloat16, num_splits=1),
+    Case((1000, 161, 0), 8, 8, 128, 2, 2, dtype=torch.float16),
+]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
+def test_mma_kernel_matches_reference(case: Case):
+    q, cache, _ = make_inputs(case)
+    expected = run(reference.decode_attention, case, q, cache)
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
+    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, mma=True)
+    assert got is out
+    assert_close(got, expected, TOL[case.dtype], case.id)
+    for b, L in enumerate(case.lens):
+        if L == 0:
+            assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
+
+
+def test_mma_kernel_rejects_ineligible_calls():
+    case = Case((40,), 2, 1, 64, 2, 2)  # head_dim 64, fp32, and the interpreter on the CPU
+    q, cache, _ = make_inputs(case)
+    with pytest.raises(ValueError, match="mma needs"):
+        run(decode_attention, case, q, cache, mma=True)
+
+
 def test_reference_takes_the_launchers_arguments():
     """The reference is the spec and the CPU path: it accepts every argument the launcher does, in order."""
     assert (list(inspect.signature(reference.decode_attention).parameters)
@@ -389,7 +424,7 @@ def test_choose_num_splits():
 
 
 def test_kernels_compile_for_h200():
-    from kernels.decode_attention import ops_fma
+    from kernels.decode_attention import ops_fma, ops_mma
     from tests.compile_util import compile_for_sm90_many
 
     common = dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, HEAD_DIM=128, BLOCK_N=64,
@@ -430,6 +465,15 @@ def test_kernels_compile_for_h200():
         specs.append((_decode_attention_fma_kernel, gluon_ptrs,
                       dict(gluon_consts, BLOCK_N=64, ASYNC=asynchronous, MAGIC=True),
                       dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))
+    from kernels.decode_attention.kernel_mma import _decode_attention_mma_kernel
+
+    mma_consts = dict(gluon_consts, QG=4)
+    mma_aligned = [a for a in _decode_attention_mma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
+    specs.append((_decode_attention_mma_kernel, gluon_ptrs, mma_consts,
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
+    specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),
+                  dict(mma_consts, QG=1, GROUP=64, SPLIT=False), dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

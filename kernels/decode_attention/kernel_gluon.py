@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 
 from .kernel_gluon_async import _load_packed, _packed_loop_async
 from .kernel_gluon_magic import _finish_values, _lane_partials, _packed_step_magic
-from .kernel_gluon_step import _LR, _packed_step, _ring_block
+from .kernel_gluon_step import _LR, _packed_step, _ring_block, _work_range
 
 
 @gluon.jit
@@ -61,18 +61,8 @@ def _decode_attention_fma_kernel(
     h = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
     # stage 0: this row's token ranges and this split's blocks
-    seq_len = gl.load(seq_lens_ptr + b)
-    slot = gl.load(slots_ptr + b).to(gl.int64)
-    nq = gl.cdiv(gl.maximum(seq_len - RESIDUAL, 0), GROUP) * GROUP
-    n_res = seq_len - nq
-    # splits share work units: the packed blocks, then the ring as one unit per BLOCK_N / 4 slots (its fp16
-    # bytes per slot are ~5x a packed token's); the split holding the ring's first unit reads the whole ring
-    n_packed = gl.cdiv(nq, BLOCK_N)
-    n_ring = gl.minimum(seq_len, RESIDUAL)
-    n_units = n_packed + gl.cdiv(n_ring, BLOCK_N // 4)
-    per_split = gl.cdiv(n_units, num_splits)
-    lo = split * per_split
-    hi = gl.minimum(lo + per_split, n_units)
+    slot, nq, n_res, n_packed, n_ring, lo, hi = _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP,
+                                                            RESIDUAL, BLOCK_N)
     # stage 1: the query, scaled into the log2 domain, in the key tiles' and the ring's layouts
     q_row = q_ptr + b * stride_q_b + h * stride_q_h
     offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, gl.SliceLayout(2, LK)))

@@ -9,6 +9,7 @@ import torch
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
+from .ops_mma import MMA_GQA_DEFAULT, launch_mma, mma_eligible
 
 _OP = "decode_attention"
 
@@ -110,6 +111,7 @@ def decode_attention(
     maxnreg: int | None = None,
     cp_async: bool | None = None,
     magic: bool | None = None,
+    mma: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -126,7 +128,9 @@ def decode_attention(
     thread, which sets how many of its one-warp programs an SM holds), cp_async (the FMA kernel copies the next
     packed block's words into shared memory while it computes the current one; default: where the page
     tensors' strides allow it), magic (the FMA kernel's version 13 step, kernel_gluon_magic.py; default
-    ops_fma.FMA_MAGIC).
+    ops_fma.FMA_MAGIC), mma (2-bit keys and values, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16,
+    on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; default for
+    grouped-query calls where eligible and large enough; of the other knobs only num_splits and maxnreg apply).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -139,6 +143,22 @@ def decode_attention(
         return out
 
     max_tokens = block_table.shape[1] * page_size + residual_length
+    knobs = (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, cp_async, magic)
+    mma_ok = mma_eligible(q, k_scale, k_res, k_bits, v_bits, group_size, residual_length, page_size, qg)
+    if mma is None:  # grouped-query calls, where eligible and large enough, unless another path's knobs were given
+        mma = (MMA_GQA_DEFAULT and qg > 1 and all(v is None for v in knobs)
+               and fma_by_default(batch * kv_heads, max_tokens, mma_ok))
+    if mma:
+        if not mma_ok:
+            raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit keys and values, 1 to 8 query "
+                             f"heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32, 64 or "
+                             f"128 tokens and fp16 or bf16 for the query, scales and ring alike; got k_bits={k_bits}, "
+                             f"v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, page_size={page_size}, "
+                             f"group_size={group_size}, q {q.dtype}, k_scale {k_scale.dtype}, k_res {k_res.dtype}, "
+                             f"device={q.device}")
+        return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
+                          seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
+                          maxnreg)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab))

@@ -84,9 +84,10 @@ def decode_attention(
     maxnreg: int | None = None,
     cp_async: bool | None = None,
     magic: bool | None = None,
+    mma: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
-    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, maxnreg, cp_async, magic
+    del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, maxnreg, cp_async, magic, mma
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()

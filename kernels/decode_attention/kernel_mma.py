@@ -1,0 +1,340 @@
+"""Version 14: decode attention over a 2-bit KIVI cache on the tensor cores (mma.sync m16n8k16), operand
+fragments built in registers, for query groups of 1 to 8 heads per KV head (GQA). Only @gluon.jit code; the
+launcher is ops_mma.launch_mma.
+
+One warp per (row, KV head, split); 64-token steps. Scales fold into the other operand, so codes enter the
+tensor cores as they are, with no dequantization:
+    scores   S[(half, h), n] = sum_c (q[h, c] qk k_scale[half, c]) code[c, n]      (keys: per channel)
+             s[h, n] = S[(half(n), h), n] + qk sum_c q[h, c] k_zero[half(n), c]      (a second, small mma)
+    values   O^T[c, h] += sum_t code[t, c] (p[h, t] v_scale[t, g(c)])              (values: per token)
+             out[h, c] = O^T[c, h] + sum_t v_zero[t, g(c)] p[h, t]                  (a third, small mma)
+A code becomes an fp16 by one AND: kept at mantissa bits 2 w, 2 w + 1 with a zero exponent it reads
+c 4^w 2^-24 (a subnormal, exact), and the factor 4^w 2^-24 is undone once per score column (keys) or output
+channel (values). An AND of a word pair merged by one PRMT gives two codes, i.e. one mma register.
+
+Fragment layouts (NVMMA v2, one warp; lane = 4 r + a):
+    keys    B[128 c, 64 n]: thread (a, r) holds channel pairs 8 m + 2 a + {0, 1} and columns n = r + 8 nn;
+            column n is token 8 r + nn of the step: half r % 2 of key word r // 2, code nn. The halves of two
+            channels' words, merged by PRMT, hold 8 tokens of both; tokens nn < 5 sit at bits 2 nn, the others
+            at 2 (nn - 5) after one shift by 10.
+    scores  S [16, 64]: rows h (key-scale half 0) and 8 + h (half 1); a thread's columns are all in one half.
+    values  A[32 rho, 64 k] per 32-channel chunk g: row rho = 8 i + r is channel 32 g + 4 r + i (byte r % 4 of
+            value word 2 g + r // 4, code i); column k = 8 nn + j is token 8 j + nn, as for the scores, so the
+            probabilities pass from the scores' accumulator to the values' B operand without any data movement.
+The residual ring (full precision) takes the same mma path with its own operands and accumulators.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .kernel_gluon_step import _work_range
+
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+_OP_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 2))
+_OP_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 2))
+# lane bases shared by the layouts below: lanes 1, 2 -> a (pairs of the reduced dim), lanes 4, 8, 16 -> r
+# key words [64 channel pairs cp, 8 r, 2 b]: channels 2 cp + b of word row r // 2
+_KW = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [4, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+    lane_bases=[[1, 0, 0], [2, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
+    shape=[64, 8, 2]))
+# merged key words broadcast over the 8 codes nn: [64 cp, 8 nn, 8 r]
+_KX = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[4, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=[], block_bases=[],
+    shape=[64, 8, 8]))
+# value words [8 r, 32 kp, 2 b]: token 16 (kp % 4) + 8 b + kp // 4 (the pair kp of the B operand's rows)
+_VW = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
+    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
+    shape=[8, 32, 2]))
+# merged value words broadcast over the 4 codes i of a byte: [4 i, 8 r, 32 kp]
+_VX = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16], [2, 0, 0]],
+    lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
+    shape=[4, 8, 32]))
+# scores of one half [8 h, 8 nn, 8 j] (column n = 8 nn + j of the accumulator)
+_S3 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
+    shape=[8, 8, 8]))
+# probabilities as the values' B operand, viewed [8 nn, 8 j, 8 h]
+_P3 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=[], block_bases=[],
+    shape=[8, 8, 8]))
+# the query of the 8 heads in the A operand's element order (no padding rows): [8 h, 128 c]
+_Q8 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]],
+    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[8, 128]))
+# ring scores [8 h, 1, 32 n]
+_S3_RING = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
+    shape=[8, 1, 32]))
+_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, _S3))  # [8 h] on lanes r
+_COLS: gl.constexpr = gl.SliceLayout(0, _MMA)  # [8 h] on lanes a (the value accumulators' columns)
+
+
+@gluon.jit
+def _prmt(x, y, sel):
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [x, y, sel], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _codes_f16(x, mask):
+    """fp16 pairs (code (lo) and code (hi) 4^w 2^-24) of x & mask; x, mask are int32 tensors whose pairs of
+    consecutive registers are equal (the operand's k pairs), as built by _pairs."""
+    return gl.inline_asm_elementwise("and.b32 $0, $1, $3;", "=r,r,r,r,r", [x, mask], dtype=gl.float16,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
+def _key_codes(kc_ptr, tok0, stride_kc_w: gl.constexpr):
+    """B operand [128 c, 64 n] fp16 of the 64 tokens from page token tok0 (kc_ptr at the page and head)."""
+    offs_cp = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, _KW)))
+    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KW)))
+    offs_b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, _KW)))
+    rows = (tok0 // 16 + offs_r // 2) * stride_kc_w
+    words = gl.load(kc_ptr + rows[None, :, None] + (2 * offs_cp)[:, None, None] + offs_b[None, None, :])
+    w0, w1 = gl.split(words)  # [64 cp, 8 r]: channels 2 cp and 2 cp + 1
+    sel = gl.where(offs_r % 2 == 0, 0x5410, 0x7632)  # the low or high halves of both words
+    x = _prmt(w0, w1, sel[None, :])
+    x = gl.convert_layout(x, gl.SliceLayout(1, _KX), assert_trivial=True).to(gl.uint32, bitcast=True)
+    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KX)))[None, :, None]
+    x3 = gl.where(nn >= 5, x[:, None, :] >> 10, x[:, None, :]).to(gl.int32, bitcast=True)  # [64, 8 nn, 8 r]
+    mask3, x3 = gl.broadcast(0x00030003 << (2 * (nn % 5)), x3)
+    xp = gl.join(x3, x3).permute(0, 3, 1, 2).reshape([128, 64])
+    mp = gl.join(mask3, mask3).permute(0, 3, 1, 2).reshape([128, 64])
+    xp = gl.convert_layout(xp, _OP_B, assert_trivial=True)
+    mp = gl.convert_layout(mp, _OP_B, assert_trivial=True)
+    return _codes_f16(xp, mp)
+
+
+@gluon.jit
+def _value_codes(vc_ptr, tok0, g: gl.constexpr, stride_vc_t: gl.constexpr):
+    """A operand [32 rho, 64 k] fp16 of channels 32 g + 4 r + i (rho = 8 i + r) of the step's tokens."""
+    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VW)))
+    offs_kp = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _VW)))
+    offs_b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, _VW)))
+    tok = tok0 + 16 * (offs_kp % 4) + offs_kp // 4
+    words = gl.load(vc_ptr + (tok[None, :, None] + 8 * offs_b[None, None, :]) * stride_vc_t
+                    + (2 * g + offs_r // 4)[:, None, None])
+    w0, w1 = gl.split(words)  # [8 r, 32 kp]: tokens t and t + 8 of the pair
+    byte = offs_r % 4
+    sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12)  # byte r % 4 of each word
+    x = _prmt(w0, w1, sel[:, None])
+    x = gl.convert_layout(x, gl.SliceLayout(0, _VX), assert_trivial=True)
+    i = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VX)))[:, None, None]
+    mask3, x3 = gl.broadcast(0x00030003 << (2 * i), x[None, :, :])
+    xp = gl.convert_layout(gl.join(x3, x3).reshape([32, 64]), _OP_A, assert_trivial=True)
+    mp = gl.convert_layout(gl.join(mask3, mask3).reshape([32, 64]), _OP_A, assert_trivial=True)
+    return _codes_f16(xp, mp)
+
+
+@gluon.jit
+def _key_scores(q8, q_a, kc_ptr, ks_ptr, kz_ptr, tok0, n_valid, qk_scale, stride_kc_w: gl.constexpr,
+                stride_ks_g: gl.constexpr, GROUP: gl.constexpr):
+    """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of the step's 64 tokens (token 8 j + nn from tok0; n_valid
+    of them are packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
+    # stage 1: key scales of each 32-token half folded into the query: the A operand [16 (half, h), 128]
+    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, _Q8))
+    ks0 = gl.load(ks_ptr + (tok0 // GROUP) * stride_ks_g + offs_c).to(gl.float32)
+    ks1 = gl.load(ks_ptr + ((tok0 + 32) // GROUP) * stride_ks_g + offs_c, mask=(offs_c < 128) & (32 < n_valid),
+                  other=0.0).to(gl.float32)
+    a0 = (q8 * ks0[None, :]).to(gl.float16)
+    a1 = (q8 * ks1[None, :]).to(gl.float16)
+    a = gl.convert_layout(gl.join(a0, a1).permute(2, 0, 1).reshape([16, 128]), _OP_A)
+    raw = mma_v2(a, _key_codes(kc_ptr, tok0, stride_kc_w), gl.zeros([16, 64], gl.float32, _MMA))
+    # stage 2: the zeros' share, sum_c q k_zero, per head and half: B [128 c, 8 jj] holds half jj // 4
+    offs_bc = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
+    offs_jj = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
+    half = offs_jj // 4
+    kz = gl.load(kz_ptr + ((tok0 + 32 * half) // GROUP)[None, :] * stride_ks_g + offs_bc[:, None],
+                 mask=(offs_bc[:, None] < 128) & (32 * half < n_valid)[None, :], other=0.0)
+    bias = mma_v2(q_a, kz, gl.zeros([16, 8], gl.float32, _MMA))
+    bias, _ = gl.split(bias.reshape([2, 8, 8]).permute(1, 2, 0))
+    bias = gl.convert_layout(bias, gl.SliceLayout(1, _S3)) * qk_scale  # [8 h, 8 j]
+    # stage 3: each column's half, its code factor undone, the zeros' share, the mask
+    s0, s1 = gl.split(raw.reshape([2, 8, 8, 8]).permute(1, 2, 3, 0))
+    s0 = gl.convert_layout(s0, _S3)
+    s1 = gl.convert_layout(s1, _S3)
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _S3)))[None, None, :]
+    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _S3)))[None, :, None]
+    factor = 16777216.0 / (1 << (2 * (nn % 5))).to(gl.float32)  # 2^24 / 4^w
+    s = gl.where(j < 4, s0, s1) * factor + bias[:, None, :]
+    return gl.where(8 * j + nn < n_valid, s, float("-inf"))
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i):
+    """One online-softmax step over scores s [8 h, ...] (3-D, _S3): (p, alpha, m_new, l_i); rows [8] in _ROWS."""
+    mx = gl.max(gl.max(s, axis=2), axis=1)
+    m_i = gl.convert_layout(m_i, mx.type.layout)
+    m_new = gl.maximum(m_i, mx)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None, None])
+    l_i = gl.convert_layout(l_i, mx.type.layout) * alpha + gl.sum(gl.sum(p, axis=2), axis=1)
+    return p, gl.convert_layout(alpha, _ROWS), gl.convert_layout(m_new, _ROWS), gl.convert_layout(l_i, _ROWS)
+
+
+@gluon.jit
+def _value_step(p, vc_ptr, vs_ptr, vz_ptr, tok0, n_valid, alpha, acc0, acc1, acc2, acc3, z,
+                stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr):
+    """acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and z [16 gg, 8 h] += v_zero^T p^T, after the
+    rescale by alpha; p [8 h, 8 nn, 8 j] are the probabilities of tokens 8 j + nn from tok0."""
+    alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+    p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
+    nn = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _P3)))[:, None]
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _P3)))[None, :]
+    tok = 8 * j + nn
+    valid = tok < n_valid
+    vs_row = vs_ptr + (tok0 + tok) * stride_vs_t
+    acc0 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 0, acc0 * alpha_c, stride_vc_t, GROUP)
+    acc1 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 1, acc1 * alpha_c, stride_vc_t, GROUP)
+    acc2 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 2, acc2 * alpha_c, stride_vc_t, GROUP)
+    acc3 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 3, acc3 * alpha_c, stride_vc_t, GROUP)
+    # the zeros' share: A [16 gg, 64 k] = v_zero of group gg at token 8 (k % 8) + k // 8
+    offs_gg = gl.arange(0, 16, layout=gl.SliceLayout(1, _OP_A))
+    offs_k = gl.arange(0, 64, layout=gl.SliceLayout(0, _OP_A))
+    tok_k = 8 * (offs_k % 8) + offs_k // 8
+    vz = gl.load(vz_ptr + (tok0 + tok_k)[None, :] * stride_vs_t + offs_gg[:, None],
+                 mask=(offs_gg < 128 // GROUP)[:, None] & (tok_k < n_valid)[None, :], other=0.0)
+    p_z = gl.convert_layout(p_t.to(vz_ptr.dtype.element_ty).reshape([64, 8]), _OP_B, assert_trivial=True)
+    z = mma_v2(vz, p_z, z * alpha_c)
+    return acc0, acc1, acc2, acc3, z
+
+
+@gluon.jit
+def _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, g: gl.constexpr, acc, stride_vc_t: gl.constexpr,
+                 GROUP: gl.constexpr):
+    """acc [32, 8] + codes of chunk g (channels 32 g ..) x (p v_scale)^T."""
+    vs = gl.load(vs_row + (32 * g) // GROUP, mask=valid, other=0.0).to(gl.float32)  # [8 nn, 8 j]
+    p_g = gl.convert_layout((p_t * vs[:, :, None]).to(gl.float16).reshape([64, 8]), _OP_B, assert_trivial=True)
+    return mma_v2(_value_codes(vc_ptr, tok0, g, stride_vc_t), p_g, acc)
+
+
+@gluon.jit
+def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z,
+               r0, r1, r2, r3, stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr):
+    """One online-softmax step over ring slots [start, start + 32) (pointers at the row's slot and head): full
+    precision keys and values on the same mma path; the ring's value sums go to r0..r3 (no code factor)."""
+    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
+    offs_n = start + gl.arange(0, 32, layout=gl.SliceLayout(0, _OP_B))
+    ok_n = ((offs_n + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_n < RESIDUAL)
+    k_t = gl.load(kr_ptr + offs_n[None, :] * stride_res_t + offs_c[:, None], mask=ok_n[None, :], other=0.0)
+    raw = mma_v2(q_a, k_t, gl.zeros([16, 32], gl.float32, _MMA))
+    s, _ = gl.split(raw.reshape([2, 8, 32]).permute(1, 2, 0))
+    s = gl.convert_layout(s, gl.SliceLayout(1, _S3_RING))
+    offs_s = start + gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _S3_RING)))
+    ok_s = ((offs_s + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_s < RESIDUAL)
+    s = gl.where(ok_s[None, :], s * qk_scale, float("-inf"))[:, None, :]  # [8, 1, 32]
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+    alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+    p_t = gl.convert_layout(p.reshape([8, 32]).permute(1, 0).to(vr_ptr.dtype.element_ty), _OP_B)  # [32, 8]
+    offs_rho = gl.arange(0, 32, layout=gl.SliceLayout(1, _OP_A))
+    offs_k = start + gl.arange(0, 32, layout=gl.SliceLayout(0, _OP_A))
+    ok_k = ((offs_k + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_k < RESIDUAL)
+    v_rows = vr_ptr + offs_k[None, :] * stride_res_t + (4 * (offs_rho % 8) + offs_rho // 8)[:, None]
+    r0 = mma_v2(gl.load(v_rows, mask=ok_k[None, :], other=0.0), p_t, r0 * alpha_c)
+    r1 = mma_v2(gl.load(v_rows + 32, mask=ok_k[None, :], other=0.0), p_t, r1 * alpha_c)
+    r2 = mma_v2(gl.load(v_rows + 64, mask=ok_k[None, :], other=0.0), p_t, r2 * alpha_c)
+    r3 = mma_v2(gl.load(v_rows + 96, mask=ok_k[None, :], other=0.0), p_t, r3 * alpha_c)
+    return m_i, l_i, acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c, z * alpha_c, r0, r1, r2, r3
+
+
+@gluon.jit
+def _decode_attention_mma_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, kr_ptr, vr_ptr,
+    block_table_ptr, slots_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    qk_scale, num_splits,
+    stride_q_b, stride_q_h,
+    stride_kc_n, stride_kc_h, stride_kc_w: gl.constexpr,
+    stride_ks_n, stride_ks_h, stride_ks_g: gl.constexpr,
+    stride_vc_n, stride_vc_h, stride_vc_t: gl.constexpr,
+    stride_vs_n, stride_vs_h, stride_vs_t: gl.constexpr,
+    stride_res_s, stride_res_h, stride_res_t: gl.constexpr,
+    stride_bt_s,
+    stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
+    QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
+    kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's
+    dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp."""
+    gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and GROUP % 32 == 0 and QG <= 8)
+    b = gl.program_id(0).to(gl.int64)
+    h = gl.program_id(1).to(gl.int64)
+    split = gl.program_id(2)
+    # stage 0: this row's token ranges and this split's work units
+    slot, nq, n_res, n_packed, n_ring, lo, hi = _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP,
+                                                            RESIDUAL, 64)
+    # stage 1: the query group: fp32 times qk in the A operand's order, and raw as an A operand [16, 128]
+    q_row = q_ptr + b * stride_q_b + (h * QG) * stride_q_h
+    offs_h8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _Q8))
+    offs_c8 = gl.arange(0, 128, layout=gl.SliceLayout(0, _Q8))
+    q8 = gl.load(q_row + offs_h8[:, None] * stride_q_h + offs_c8[None, :], mask=(offs_h8 < QG)[:, None],
+                 other=0.0).to(gl.float32) * qk_scale
+    offs_ha = gl.arange(0, 16, layout=gl.SliceLayout(1, _OP_A))
+    offs_ca = gl.arange(0, 128, layout=gl.SliceLayout(0, _OP_A))
+    q_a = gl.load(q_row + offs_ha[:, None] * stride_q_h + offs_ca[None, :], mask=(offs_ha < QG)[:, None], other=0.0)
+    m_i = gl.full([8], float("-inf"), gl.float32, _ROWS)
+    l_i = gl.full([8], 0.0, gl.float32, _ROWS)
+    acc0 = gl.zeros([32, 8], gl.float32, _MMA)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    z = gl.zeros([16, 8], gl.float32, _MMA)
+    # stage 2: packed blocks through the block table
+    bt_row = block_table_ptr + slot * stride_bt_s
+    for blk in range(lo, gl.minimum(hi, n_packed)):
+        page = gl.load(bt_row + (blk * 64) // PAGE).to(gl.int64)
+        tok0 = (blk * 64) % PAGE
+        n_valid = nq - blk * 64
+        s = _key_scores(q8, q_a, kc_ptr + page * stride_kc_n + h * stride_kc_h,
+                        ks_ptr + page * stride_ks_n + h * stride_ks_h, kz_ptr + page * stride_ks_n + h * stride_ks_h,
+                        tok0, n_valid, qk_scale, stride_kc_w, stride_ks_g, GROUP)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc0, acc1, acc2, acc3, z = _value_step(
+            p, vc_ptr + page * stride_vc_n + h * stride_vc_h, vs_ptr + page * stride_vs_n + h * stride_vs_h,
+            vz_ptr + page * stride_vs_n + h * stride_vs_h, tok0, n_valid, alpha, acc0, acc1, acc2, acc3, z,
+            stride_vc_t, stride_vs_t, GROUP)
+    # stage 3: the full-precision ring, 32 slots at a time, into its own sums
+    r0 = gl.zeros([32, 8], gl.float32, _MMA)
+    r1 = r0
+    r2 = r0
+    r3 = r0
+    res = slot * stride_res_s + h * stride_res_h
+    has_ring = (lo <= n_packed) & (n_packed < hi)
+    for start in range(0, gl.where(has_ring, n_ring, 0), 32):
+        m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3 = _ring_step(
+            q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2,
+            acc3, z, r0, r1, r2, r3, stride_res_t, RESIDUAL)
+    # stage 4: codes' factors undone, the zeros' share, normalized (or the split's partial and log-sum-exp)
+    has_keys = l_i > 0.0
+    inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), _COLS)[None, :]
+    o_row = o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s
+    _store_chunk(o_row, acc0, z, r0, inv_l, 0, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc1, z, r1, inv_l, 1, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc2, z, r2, inv_l, 2, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc3, z, r3, inv_l, 3, stride_o_h, QG, GROUP)
+    if SPLIT:
+        lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
+        offs_h = gl.arange(0, 8, layout=_ROWS)
+        gl.store(lse_ptr + b * stride_lse_b + (h * QG + offs_h) * stride_lse_h + split, lse, mask=offs_h < QG)
+
+
+@gluon.jit
+def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr, GROUP: gl.constexpr):
+    """Output channels 32 g + 4 r + i (accumulator row 8 i + r) of the QG heads."""
+    offs_rho = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA))
+    offs_gg = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA))
+    offs_h = gl.arange(0, 8, layout=_COLS)
+    z_g = gl.sum(gl.where((offs_gg == (32 * g) // GROUP)[:, None], z, 0.0), axis=0)  # [8 h]
+    factor = 16777216.0 / (1 << (2 * (offs_rho // 8))).to(gl.float32)  # 2^24 / 4^i
+    out = (acc * factor[:, None] + z_g[None, :] + ring) * inv_l
+    chan = 32 * g + 4 * (offs_rho % 8) + offs_rho // 8
+    ptrs = o_row + offs_h[None, :] * stride_o_h + chan[:, None]
+    gl.store(ptrs, out.to(o_row.dtype.element_ty), mask=(offs_h < QG)[None, :] & (chan < 128)[:, None])

@@ -1,0 +1,63 @@
+"""Launcher of version 14, the tensor-core decode-attention kernel with register-built fragments
+(kernel_mma.py): 2-bit caches, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16, on a GPU.
+
+ops.decode_attention calls launch_mma by default for grouped-query calls (Hq > H) where mma_eligible holds;
+kernel_notes.md (version 14) has the measurements behind the defaults.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import common as C
+
+try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; it has no interpreter mode
+    from .kernel_mma import _decode_attention_mma_kernel
+except ImportError:  # pragma: no cover - older triton
+    _decode_attention_mma_kernel = None
+
+_OP = "decode_attention"
+# kernels-20261129-h200-sweep-mma.json (32/8 heads, bf16): 1.15-1.9x the tensor-core table (B=64, L=4,096: 176 vs
+# 252 us; B=8, L=32,768: 163 vs 311; B=1, L=131,072: 100 vs 115); uncapped registers were fastest on 4 of 5 shapes.
+# On MHA caches it is slower than the FMA kernel (B=64, L=4,096: 579 vs 406 us), which keeps them
+MMA_MAXNREG = 255  # register cap per thread of the one-warp programs (255: no spills, 8 per SM)
+MMA_PER_SM = 24  # programs per SM its split count aims for
+MMA_GQA_DEFAULT = True  # the default for calls with more than one query head per KV head (where eligible)
+
+
+def mma_eligible(q: torch.Tensor, k_scale: torch.Tensor, k_res: torch.Tensor, k_bits: int, v_bits: int,
+                 group_size: int, residual_length: int, page_size: int, qg: int) -> bool:
+    """Whether kernel_mma.py can run this call: compiled (not the interpreter), 2-bit keys and values, 1 to 8
+    query heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32, 64 or 128 tokens, and
+    one 16-bit dtype for the query, the scales and the ring."""
+    return (_decode_attention_mma_kernel is not None and not C.interpreting() and q.is_cuda
+            and k_bits == v_bits == 2 and 1 <= qg <= 8 and q.shape[-1] == 128 and page_size % 64 == 0
+            and group_size in (32, 64, 128) and residual_length % 32 == 0
+            and q.dtype in (torch.float16, torch.bfloat16) and k_scale.dtype == k_res.dtype == q.dtype)
+
+
+def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
+               out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
+               maxnreg=None) -> torch.Tensor:
+    """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge."""
+    batch, q_heads, _ = q.shape
+    kv_heads = k_codes.shape[1]
+    maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
+    C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
+    if num_splits is None:
+        num_splits = C.choose_num_splits(batch * kv_heads, max_tokens, q.device, programs_per_sm=MMA_PER_SM,
+                                         max_splits=C.ONE_WARP_MAX_SPLITS)
+    C.check_int(_OP, "num_splits", num_splits)
+    o, lse, o_strides, workspace = C.output_args(out, num_splits)
+    _decode_attention_mma_kernel[(batch, kv_heads, num_splits)](
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens, o, lse,
+        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
+        **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
+        QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1,
+        num_warps=1, maxnreg=maxnreg,
+    )
+    if workspace is not None:
+        C.merge_splits(*workspace, out)
+    return out
