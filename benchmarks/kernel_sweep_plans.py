@@ -91,13 +91,12 @@ def plan(name: str):
                              (16, 512), (32, 512)]]
     if name == "mma":  # version 14, the tensor-core kernel (kernel_mma.py), against the table (GQA) and FMA (MHA)
         def gqa():
-            return ([("new", 2, dict(mma=False))]
-                    + [("new", 2, dict(mma=True, per_sm=p, maxnreg=r)) for p, r in [(32, 168), (16, 168), (48, 168),
-                                                                                 (32, 128), (24, 255)]])
+            return ([("new", 2, dict(mma=False)), ("new", 2, dict(mma=True))]
+                    + [("new", 2, dict(mma=True, per_sm=p, maxnreg=r)) for p, r in [(16, 255), (32, 255), (32, 168)]])
         out = [((B, L, 32, 8), gqa()) for B, L in [(8, 4096), (64, 4096), (256, 4096), (8, 32768), (128, 1152)]]
         out += [((B, L, 32, 32), [("new", 2, dict(fma=True)), ("new", 2, dict(mma=True)),
                                   ("new", 2, dict(mma=True, per_sm=16))]) for B, L in [(64, 4096), (128, 1152)]]
         out.append(((1, 131072, 32, 8), [("new", 2, dict(mma=False))]
-                    + [("new", 2, dict(mma=True, num_splits=s)) for s in (64, 128)]))
+                    + [("new", 2, dict(mma=True, num_splits=s)) for s in (128, 256)]))
         return out
     raise SystemExit(f"unknown plan {name}")

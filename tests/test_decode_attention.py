@@ -294,12 +294,12 @@ def test_fma_kernel_matches_reference(case: Case):
 
 
 # Version 14, the tensor-core kernel with register-built fragments (kernel_mma.py): 1 to 8 query heads per KV
-# head, fp16 / bf16, odd lengths, empty and ring-only rows, splits, G=32/64/128, R=64/128/192, pages of 64/256.
+# head, fp16 / bf16, odd lengths, empty and ring-only rows, splits, G=32/64, R=64/128/192, pages of 64/256.
 MMA_CASES = [
     Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=3),
     Case((700, 33, 129, 2000), 8, 1, 128, 2, 2, dtype=torch.float16, num_splits=5, page_size=256),
     Case((900, 77, 5), 6, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
-    Case((500, 150), 4, 4, 128, 2, 2, group_size=128, residual=128, dtype=torch.float16, num_splits=2),
+    Case((500, 150), 4, 4, 128, 2, 2, group_size=64, residual=64, dtype=torch.float16, num_splits=2),
     Case((333, 290, 96), 14, 2, 128, 2, 2, page_size=64, dtype=torch.bfloat16, num_splits=7),
     Case((2000, 1), 6, 2, 128, 2, 2, dtype=torch.float16, num_splits=40),
     Case((20000, 3000), 4, 1, 128, 2, 2, dtype=torch.bfloat16, num_splits=1),
@@ -473,7 +473,8 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
     specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),
-                  dict(mma_consts, QG=1, GROUP=64, SPLIT=False), dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG)))
+                  dict(mma_consts, QG=1, GROUP=64, SPLIT=False, stride_vs_t=2),
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     for result in compile_for_sm90_many(specs):

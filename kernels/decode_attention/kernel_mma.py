@@ -26,135 +26,42 @@ The residual ring (full precision) takes the same mma path with its own operands
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .kernel_gluon_step import _work_range
-
-_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-_OP_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 2))
-_OP_B = gl.constexpr(gl.DotOperandLayout(1, _MMA, 2))
-# lane bases shared by the layouts below: lanes 1, 2 -> a (pairs of the reduced dim), lanes 4, 8, 16 -> r
-# key words [64 channel pairs cp, 8 r, 2 b]: channels 2 cp + b of word row r // 2
-_KW = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [4, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
-    lane_bases=[[1, 0, 0], [2, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
-    shape=[64, 8, 2]))
-# merged key words broadcast over the 8 codes nn: [64 cp, 8 nn, 8 r]
-_KX = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[4, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=[], block_bases=[],
-    shape=[64, 8, 8]))
-# value words [8 r, 32 kp, 2 b]: token 16 (kp % 4) + 8 b + kp // 4 (the pair kp of the B operand's rows)
-_VW = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
-    lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
-    shape=[8, 32, 2]))
-# merged value words broadcast over the 4 codes i of a byte: [4 i, 8 r, 32 kp]
-_VX = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16], [2, 0, 0]],
-    lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[], block_bases=[],
-    shape=[4, 8, 32]))
-# scores of one half [8 h, 8 nn, 8 j] (column n = 8 nn + j of the accumulator)
-_S3 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
-    shape=[8, 8, 8]))
-# probabilities as the values' B operand, viewed [8 nn, 8 j, 8 h]
-_P3 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=[], block_bases=[],
-    shape=[8, 8, 8]))
-# the query of the 8 heads in the A operand's element order (no padding rows): [8 h, 128 c]
-_Q8 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]],
-    lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[8, 128]))
-# ring scores [8 h, 1, 32 n]
-_S3_RING = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16]],
-    lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
-    shape=[8, 1, 32]))
-_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(1, _S3))  # [8 h] on lanes r
-_COLS: gl.constexpr = gl.SliceLayout(0, _MMA)  # [8 h] on lanes a (the value accumulators' columns)
+from .kernel_mma_frag import (
+    _COLS,
+    _MMA,
+    _OP_A,
+    _OP_B,
+    _P3,
+    _Q8,
+    _ROWS,
+    _S3,
+    _S3_RING,
+    _ZL,
+    _key_codes,
+    _key_scale_halves,
+    _key_zeros,
+    _perm_channel,
+    _value_codes,
+    _value_scale_chunks,
+)
+from .kernel_mma_stage import _allocate_stages, _issue_block
 
 
 @gluon.jit
-def _prmt(x, y, sel):
-    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [x, y, sel], dtype=gl.int32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
-def _codes_f16(x, mask):
-    """fp16 pairs (code (lo) and code (hi) 4^w 2^-24) of x & mask; x, mask are int32 tensors whose pairs of
-    consecutive registers are equal (the operand's k pairs), as built by _pairs."""
-    return gl.inline_asm_elementwise("and.b32 $0, $1, $3;", "=r,r,r,r,r", [x, mask], dtype=gl.float16,
-                                     is_pure=True, pack=2)
-
-
-@gluon.jit
-def _key_codes(kc_ptr, tok0, stride_kc_w: gl.constexpr):
-    """B operand [128 c, 64 n] fp16 of the 64 tokens from page token tok0 (kc_ptr at the page and head)."""
-    offs_cp = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, _KW)))
-    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KW)))
-    offs_b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, _KW)))
-    rows = (tok0 // 16 + offs_r // 2) * stride_kc_w
-    words = gl.load(kc_ptr + rows[None, :, None] + (2 * offs_cp)[:, None, None] + offs_b[None, None, :])
-    w0, w1 = gl.split(words)  # [64 cp, 8 r]: channels 2 cp and 2 cp + 1
-    sel = gl.where(offs_r % 2 == 0, 0x5410, 0x7632)  # the low or high halves of both words
-    x = _prmt(w0, w1, sel[None, :])
-    x = gl.convert_layout(x, gl.SliceLayout(1, _KX), assert_trivial=True).to(gl.uint32, bitcast=True)
-    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KX)))[None, :, None]
-    x3 = gl.where(nn >= 5, x[:, None, :] >> 10, x[:, None, :]).to(gl.int32, bitcast=True)  # [64, 8 nn, 8 r]
-    mask3, x3 = gl.broadcast(0x00030003 << (2 * (nn % 5)), x3)
-    xp = gl.join(x3, x3).permute(0, 3, 1, 2).reshape([128, 64])
-    mp = gl.join(mask3, mask3).permute(0, 3, 1, 2).reshape([128, 64])
-    xp = gl.convert_layout(xp, _OP_B, assert_trivial=True)
-    mp = gl.convert_layout(mp, _OP_B, assert_trivial=True)
-    return _codes_f16(xp, mp)
-
-
-@gluon.jit
-def _value_codes(vc_ptr, tok0, g: gl.constexpr, stride_vc_t: gl.constexpr):
-    """A operand [32 rho, 64 k] fp16 of channels 32 g + 4 r + i (rho = 8 i + r) of the step's tokens."""
-    offs_r = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VW)))
-    offs_kp = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _VW)))
-    offs_b = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, _VW)))
-    tok = tok0 + 16 * (offs_kp % 4) + offs_kp // 4
-    words = gl.load(vc_ptr + (tok[None, :, None] + 8 * offs_b[None, None, :]) * stride_vc_t
-                    + (2 * g + offs_r // 4)[:, None, None])
-    w0, w1 = gl.split(words)  # [8 r, 32 kp]: tokens t and t + 8 of the pair
-    byte = offs_r % 4
-    sel = byte | (byte << 4) | ((byte + 4) << 8) | ((byte + 4) << 12)  # byte r % 4 of each word
-    x = _prmt(w0, w1, sel[:, None])
-    x = gl.convert_layout(x, gl.SliceLayout(0, _VX), assert_trivial=True)
-    i = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VX)))[:, None, None]
-    mask3, x3 = gl.broadcast(0x00030003 << (2 * i), x[None, :, :])
-    xp = gl.convert_layout(gl.join(x3, x3).reshape([32, 64]), _OP_A, assert_trivial=True)
-    mp = gl.convert_layout(gl.join(mask3, mask3).reshape([32, 64]), _OP_A, assert_trivial=True)
-    return _codes_f16(xp, mp)
-
-
-@gluon.jit
-def _key_scores(q8, q_a, kc_ptr, ks_ptr, kz_ptr, tok0, n_valid, qk_scale, stride_kc_w: gl.constexpr,
-                stride_ks_g: gl.constexpr, GROUP: gl.constexpr):
-    """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of the step's 64 tokens (token 8 j + nn from tok0; n_valid
-    of them are packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
+def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
+    """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of a stage's 64 tokens (token 8 j + nn; n_valid of them are
+    packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
     # stage 1: key scales of each 32-token half folded into the query: the A operand [16 (half, h), 128]
-    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, _Q8))
-    ks0 = gl.load(ks_ptr + (tok0 // GROUP) * stride_ks_g + offs_c).to(gl.float32)
-    ks1 = gl.load(ks_ptr + ((tok0 + 32) // GROUP) * stride_ks_g + offs_c, mask=(offs_c < 128) & (32 < n_valid),
-                  other=0.0).to(gl.float32)
-    a0 = (q8 * ks0[None, :]).to(gl.float16)
-    a1 = (q8 * ks1[None, :]).to(gl.float16)
-    a = gl.convert_layout(gl.join(a0, a1).permute(2, 0, 1).reshape([16, 128]), _OP_A)
-    raw = mma_v2(a, _key_codes(kc_ptr, tok0, stride_kc_w), gl.zeros([16, 64], gl.float32, _MMA))
-    # stage 2: the zeros' share, sum_c q k_zero, per head and half: B [128 c, 8 jj] holds half jj // 4
-    offs_bc = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
-    offs_jj = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
-    half = offs_jj // 4
-    kz = gl.load(kz_ptr + ((tok0 + 32 * half) // GROUP)[None, :] * stride_ks_g + offs_bc[:, None],
-                 mask=(offs_bc[:, None] < 128) & (32 * half < n_valid)[None, :], other=0.0)
-    bias = mma_v2(q_a, kz, gl.zeros([16, 8], gl.float32, _MMA))
+    ks0, ks1 = _key_scale_halves(ks)
+    a = gl.join((q8 * ks0[None, :]).to(gl.float16), (q8 * ks1[None, :]).to(gl.float16))
+    a = gl.convert_layout(a.permute(2, 0, 1).reshape([16, 128]), _OP_A)
+    raw = mma_v2(a, _key_codes(kw), gl.zeros([16, 64], gl.float32, _MMA))
+    # stage 2: the zeros' share, sum_c q k_zero, per head and half (column jj of the product: half jj // 4)
+    bias = mma_v2(q_a, _key_zeros(kz), gl.zeros([16, 8], gl.float32, _MMA))
     bias, _ = gl.split(bias.reshape([2, 8, 8]).permute(1, 2, 0))
     bias = gl.convert_layout(bias, gl.SliceLayout(1, _S3)) * qk_scale  # [8 h, 8 j]
     # stage 3: each column's half, its code factor undone, the zeros' share, the mask
@@ -182,47 +89,39 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _value_step(p, vc_ptr, vs_ptr, vz_ptr, tok0, n_valid, alpha, acc0, acc1, acc2, acc3, z,
-                stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr):
-    """acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and z [16 gg, 8 h] += v_zero^T p^T, after the
-    rescale by alpha; p [8 h, 8 nn, 8 j] are the probabilities of tokens 8 j + nn from tok0."""
+def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z0, z1, z2, z3, NG: gl.constexpr):
+    """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the per-lane sums
+    z_g [8 j, 8 h] += sum_nn p v_zero; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens 8 j + nn."""
     alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+    alpha_z = gl.convert_layout(alpha, gl.SliceLayout(0, _ZL))[None, :]
     p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
-    nn = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _P3)))[:, None]
-    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _P3)))[None, :]
-    tok = 8 * j + nn
-    valid = tok < n_valid
-    vs_row = vs_ptr + (tok0 + tok) * stride_vs_t
-    acc0 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 0, acc0 * alpha_c, stride_vc_t, GROUP)
-    acc1 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 1, acc1 * alpha_c, stride_vc_t, GROUP)
-    acc2 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 2, acc2 * alpha_c, stride_vc_t, GROUP)
-    acc3 = _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, 3, acc3 * alpha_c, stride_vc_t, GROUP)
-    # the zeros' share: A [16 gg, 64 k] = v_zero of group gg at token 8 (k % 8) + k // 8
-    offs_gg = gl.arange(0, 16, layout=gl.SliceLayout(1, _OP_A))
-    offs_k = gl.arange(0, 64, layout=gl.SliceLayout(0, _OP_A))
-    tok_k = 8 * (offs_k % 8) + offs_k // 8
-    vz = gl.load(vz_ptr + (tok0 + tok_k)[None, :] * stride_vs_t + offs_gg[:, None],
-                 mask=(offs_gg < 128 // GROUP)[:, None] & (tok_k < n_valid)[None, :], other=0.0)
-    p_z = gl.convert_layout(p_t.to(vz_ptr.dtype.element_ty).reshape([64, 8]), _OP_B, assert_trivial=True)
-    z = mma_v2(vz, p_z, z * alpha_c)
-    return acc0, acc1, acc2, acc3, z
+    vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
+    acc0 = _value_chunk(p_t, vs0, vw.index(4 * st), acc0 * alpha_c)
+    acc1 = _value_chunk(p_t, vs1, vw.index(4 * st + 1), acc1 * alpha_c)
+    acc2 = _value_chunk(p_t, vs2, vw.index(4 * st + 2), acc2 * alpha_c)
+    acc3 = _value_chunk(p_t, vs3, vw.index(4 * st + 3), acc3 * alpha_c)
+    vz0, vz1, vz2, vz3 = _value_scale_chunks(vz, NG)
+    z0 = z0 * alpha_z + gl.sum(p_t * vz0[:, :, None], axis=0)
+    z1 = z1 * alpha_z + gl.sum(p_t * vz1[:, :, None], axis=0)
+    z2 = z2 * alpha_z + gl.sum(p_t * vz2[:, :, None], axis=0)
+    z3 = z3 * alpha_z + gl.sum(p_t * vz3[:, :, None], axis=0)
+    return acc0, acc1, acc2, acc3, z0, z1, z2, z3
 
 
 @gluon.jit
-def _value_chunk(p_t, vc_ptr, vs_row, tok0, valid, g: gl.constexpr, acc, stride_vc_t: gl.constexpr,
-                 GROUP: gl.constexpr):
-    """acc [32, 8] + codes of chunk g (channels 32 g ..) x (p v_scale)^T."""
-    vs = gl.load(vs_row + (32 * g) // GROUP, mask=valid, other=0.0).to(gl.float32)  # [8 nn, 8 j]
+def _value_chunk(p_t, vs, vw, acc):
+    """acc [32, 8] + codes of one chunk (vw its stage's words) x (p v_scale)^T; vs [8 nn, 8 j] its scales."""
     p_g = gl.convert_layout((p_t * vs[:, :, None]).to(gl.float16).reshape([64, 8]), _OP_B, assert_trivial=True)
-    return mma_v2(_value_codes(vc_ptr, tok0, g, stride_vc_t), p_g, acc)
+    return mma_v2(_value_codes(vw), p_g, acc)
 
 
 @gluon.jit
-def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z,
-               r0, r1, r2, r3, stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr):
+def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, r0, r1, r2, r3,
+               stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr):
     """One online-softmax step over ring slots [start, start + 32) (pointers at the row's slot and head): full
-    precision keys and values on the same mma path; the ring's value sums go to r0..r3 (no code factor)."""
-    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
+    precision keys and values on the same mma path, the value sums into r0..r3 (no code factor). Returns
+    (m_i, l_i, alpha, r0, r1, r2, r3); the caller rescales its other sums by alpha."""
+    offs_c = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B)))
     offs_n = start + gl.arange(0, 32, layout=gl.SliceLayout(0, _OP_B))
     ok_n = ((offs_n + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_n < RESIDUAL)
     k_t = gl.load(kr_ptr + offs_n[None, :] * stride_res_t + offs_c[:, None], mask=ok_n[None, :], other=0.0)
@@ -243,7 +142,7 @@ def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, ac
     r1 = mma_v2(gl.load(v_rows + 32, mask=ok_k[None, :], other=0.0), p_t, r1 * alpha_c)
     r2 = mma_v2(gl.load(v_rows + 64, mask=ok_k[None, :], other=0.0), p_t, r2 * alpha_c)
     r3 = mma_v2(gl.load(v_rows + 96, mask=ok_k[None, :], other=0.0), p_t, r3 * alpha_c)
-    return m_i, l_i, acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c, z * alpha_c, r0, r1, r2, r3
+    return m_i, l_i, alpha, r0, r1, r2, r3
 
 
 @gluon.jit
@@ -264,7 +163,7 @@ def _decode_attention_mma_kernel(
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's
     dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp."""
-    gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and GROUP % 32 == 0 and QG <= 8)
+    gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
     b = gl.program_id(0).to(gl.int64)
     h = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
@@ -274,11 +173,11 @@ def _decode_attention_mma_kernel(
     # stage 1: the query group: fp32 times qk in the A operand's order, and raw as an A operand [16, 128]
     q_row = q_ptr + b * stride_q_b + (h * QG) * stride_q_h
     offs_h8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _Q8))
-    offs_c8 = gl.arange(0, 128, layout=gl.SliceLayout(0, _Q8))
+    offs_c8 = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(0, _Q8)))
     q8 = gl.load(q_row + offs_h8[:, None] * stride_q_h + offs_c8[None, :], mask=(offs_h8 < QG)[:, None],
                  other=0.0).to(gl.float32) * qk_scale
     offs_ha = gl.arange(0, 16, layout=gl.SliceLayout(1, _OP_A))
-    offs_ca = gl.arange(0, 128, layout=gl.SliceLayout(0, _OP_A))
+    offs_ca = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(0, _OP_A)))
     q_a = gl.load(q_row + offs_ha[:, None] * stride_q_h + offs_ca[None, :], mask=(offs_ha < QG)[:, None], other=0.0)
     m_i = gl.full([8], float("-inf"), gl.float32, _ROWS)
     l_i = gl.full([8], 0.0, gl.float32, _ROWS)
@@ -286,21 +185,31 @@ def _decode_attention_mma_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    z = gl.zeros([16, 8], gl.float32, _MMA)
-    # stage 2: packed blocks through the block table
+    z0 = gl.zeros([8, 8], gl.float32, _ZL)
+    z1 = z0
+    z2 = z0
+    z3 = z0
+    # stage 2: packed blocks through the block table; block blk + 1 arrives by cp.async during block blk
     bt_row = block_table_ptr + slot * stride_bt_s
-    for blk in range(lo, gl.minimum(hi, n_packed)):
-        page = gl.load(bt_row + (blk * 64) // PAGE).to(gl.int64)
-        tok0 = (blk * 64) % PAGE
-        n_valid = nq - blk * 64
-        s = _key_scores(q8, q_a, kc_ptr + page * stride_kc_n + h * stride_kc_h,
-                        ks_ptr + page * stride_ks_n + h * stride_ks_h, kz_ptr + page * stride_ks_n + h * stride_ks_h,
-                        tok0, n_valid, qk_scale, stride_kc_w, stride_ks_g, GROUP)
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        acc0, acc1, acc2, acc3, z = _value_step(
-            p, vc_ptr + page * stride_vc_n + h * stride_vc_h, vs_ptr + page * stride_vs_n + h * stride_vs_h,
-            vz_ptr + page * stride_vs_n + h * stride_vs_h, tok0, n_valid, alpha, acc0, acc1, acc2, acc3, z,
-            stride_vc_t, stride_vs_t, GROUP)
+    n_end = gl.minimum(hi, n_packed)
+    if lo < n_end:
+        kw, ks, kz, vw, vs, vz = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP)
+        _issue_block(kw, ks, kz, vw, vs, vz, 0, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, lo, n_end,
+                     nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
+                     stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE)
+        for blk in range(lo, n_end):
+            st = (blk - lo) % 2
+            _issue_block(kw, ks, kz, vw, vs, vz, 1 - st, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h,
+                         blk + 1, n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n,
+                         stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t,
+                         GROUP, PAGE)
+            cp.wait_group(1)  # block blk's group (all but the newest) has landed
+            s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+            acc0, acc1, acc2, acc3, z0, z1, z2, z3 = _value_step(
+                p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2, acc3, z0, z1, z2, z3,
+                128 // GROUP)
+        cp.wait_group(0)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
     r1 = r0
@@ -309,17 +218,20 @@ def _decode_attention_mma_kernel(
     res = slot * stride_res_s + h * stride_res_h
     has_ring = (lo <= n_packed) & (n_packed < hi)
     for start in range(0, gl.where(has_ring, n_ring, 0), 32):
-        m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3 = _ring_step(
-            q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2,
-            acc3, z, r0, r1, r2, r3, stride_res_t, RESIDUAL)
+        m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res,
+                                                     qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL)
+        alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+        alpha_z = gl.convert_layout(alpha, gl.SliceLayout(0, _ZL))[None, :]
+        acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
+        z0, z1, z2, z3 = z0 * alpha_z, z1 * alpha_z, z2 * alpha_z, z3 * alpha_z
     # stage 4: codes' factors undone, the zeros' share, normalized (or the split's partial and log-sum-exp)
     has_keys = l_i > 0.0
     inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), _COLS)[None, :]
     o_row = o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s
-    _store_chunk(o_row, acc0, z, r0, inv_l, 0, stride_o_h, QG, GROUP)
-    _store_chunk(o_row, acc1, z, r1, inv_l, 1, stride_o_h, QG, GROUP)
-    _store_chunk(o_row, acc2, z, r2, inv_l, 2, stride_o_h, QG, GROUP)
-    _store_chunk(o_row, acc3, z, r3, inv_l, 3, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc0, z0, r0, inv_l, 0, stride_o_h, QG)
+    _store_chunk(o_row, acc1, z1, r1, inv_l, 1, stride_o_h, QG)
+    _store_chunk(o_row, acc2, z2, r2, inv_l, 2, stride_o_h, QG)
+    _store_chunk(o_row, acc3, z3, r3, inv_l, 3, stride_o_h, QG)
     if SPLIT:
         lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
         offs_h = gl.arange(0, 8, layout=_ROWS)
@@ -327,12 +239,12 @@ def _decode_attention_mma_kernel(
 
 
 @gluon.jit
-def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr, GROUP: gl.constexpr):
-    """Output channels 32 g + 4 r + i (accumulator row 8 i + r) of the QG heads."""
+def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr):
+    """Output channels 32 g + 4 r + i (accumulator row 8 i + r) of the QG heads; z [8 j, 8 h] are the per-lane
+    sums of the zeros' share."""
     offs_rho = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA))
-    offs_gg = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA))
     offs_h = gl.arange(0, 8, layout=_COLS)
-    z_g = gl.sum(gl.where((offs_gg == (32 * g) // GROUP)[:, None], z, 0.0), axis=0)  # [8 h]
+    z_g = gl.convert_layout(gl.sum(z, axis=0), _COLS)  # [8 h]
     factor = 16777216.0 / (1 << (2 * (offs_rho // 8))).to(gl.float32)  # 2^24 / 4^i
     out = (acc * factor[:, None] + z_g[None, :] + ring) * inv_l
     chan = 32 * g + 4 * (offs_rho % 8) + offs_rho // 8

@@ -144,15 +144,17 @@ def decode_attention(
 
     max_tokens = block_table.shape[1] * page_size + residual_length
     knobs = (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, cp_async, magic)
-    mma_ok = mma_eligible(q, k_scale, k_res, k_bits, v_bits, group_size, residual_length, page_size, qg)
+    mma_ok = mma_eligible(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), k_res, k_bits, v_bits,
+                          group_size, residual_length, page_size, qg)
     if mma is None:  # grouped-query calls, where eligible and large enough, unless another path's knobs were given
         mma = (MMA_GQA_DEFAULT and qg > 1 and all(v is None for v in knobs)
                and fma_by_default(batch * kv_heads, max_tokens, mma_ok))
     if mma:
         if not mma_ok:
             raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit keys and values, 1 to 8 query "
-                             f"heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32, 64 or "
-                             f"128 tokens and fp16 or bf16 for the query, scales and ring alike; got k_bits={k_bits}, "
+                             f"heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32 or 64 "
+                             f"tokens, fp16 or bf16 for the query, scales and ring alike, and 16-byte aligned "
+                             f"page tensors; got k_bits={k_bits}, "
                              f"v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, page_size={page_size}, "
                              f"group_size={group_size}, q {q.dtype}, k_scale {k_scale.dtype}, k_res {k_res.dtype}, "
                              f"device={q.device}")

@@ -12,6 +12,7 @@ import math
 import torch
 
 from . import common as C
+from .ops_fma import cp_async_aligned
 
 try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; it has no interpreter mode
     from .kernel_mma import _decode_attention_mma_kernel
@@ -19,23 +20,35 @@ except ImportError:  # pragma: no cover - older triton
     _decode_attention_mma_kernel = None
 
 _OP = "decode_attention"
-# kernels-20261129-h200-sweep-mma.json (32/8 heads, bf16): 1.15-1.9x the tensor-core table (B=64, L=4,096: 176 vs
-# 252 us; B=8, L=32,768: 163 vs 311; B=1, L=131,072: 100 vs 115); uncapped registers were fastest on 4 of 5 shapes.
-# On MHA caches it is slower than the FMA kernel (B=64, L=4,096: 579 vs 406 us), which keeps them
+# kernels-20261129-h200-sweep-mma3.json (32/8 heads, bf16, with cp.async stages): 1.4-2.7x the tensor-core table
+# (B=64, L=4,096: 124 vs 251 us; B=256: 422 vs 888; B=8, L=32,768: 115 vs 314; B=1, L=131,072: 60 vs 117); uncapped
+# registers (8 programs per SM) beat a cap of 168 on every shape. On MHA caches it ties the FMA kernel at B=64,
+# L=4,096 (411 vs 407 us) and loses at the engine's B=128, L=1,152 (303 vs 266), so MHA keeps the FMA kernel
 MMA_MAXNREG = 255  # register cap per thread of the one-warp programs (255: no spills, 8 per SM)
 MMA_PER_SM = 24  # programs per SM its split count aims for
 MMA_GQA_DEFAULT = True  # the default for calls with more than one query head per KV head (where eligible)
 
 
-def mma_eligible(q: torch.Tensor, k_scale: torch.Tensor, k_res: torch.Tensor, k_bits: int, v_bits: int,
-                 group_size: int, residual_length: int, page_size: int, qg: int) -> bool:
+def mma_eligible(q: torch.Tensor, pages: tuple[torch.Tensor, ...], k_res: torch.Tensor, k_bits: int,
+                 v_bits: int, group_size: int, residual_length: int, page_size: int, qg: int) -> bool:
     """Whether kernel_mma.py can run this call: compiled (not the interpreter), 2-bit keys and values, 1 to 8
-    query heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32, 64 or 128 tokens, and
-    one 16-bit dtype for the query, the scales and the ring."""
+    query heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32 or 64 tokens (at 128 the
+    2-byte value-scale rows did not compile into cp.async pieces), one 16-bit dtype for the query, the scales
+    and the ring, and page tensors (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) that cp.async can copy
+    in 16-byte pieces."""
+    k_scale = pages[1]
     return (_decode_attention_mma_kernel is not None and not C.interpreting() and q.is_cuda
             and k_bits == v_bits == 2 and 1 <= qg <= 8 and q.shape[-1] == 128 and page_size % 64 == 0
-            and group_size in (32, 64, 128) and residual_length % 32 == 0
-            and q.dtype in (torch.float16, torch.bfloat16) and k_scale.dtype == k_res.dtype == q.dtype)
+            and group_size in (32, 64) and residual_length % 32 == 0
+            and q.dtype in (torch.float16, torch.bfloat16) and k_scale.dtype == k_res.dtype == q.dtype
+            and cp_async_aligned(*pages[:4]) and all(_blocks_aligned(t) for t in pages[4:]))
+
+
+def _blocks_aligned(t: torch.Tensor) -> bool:
+    """Value scales or zeros [pages, H, P, D / G] whose 64-token blocks cp.async copies in 16-byte pieces:
+    16-byte aligned data, outer strides that are multiples of 16 elements, contiguous rows."""
+    return (t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
+            and t.stride(2) == t.shape[3] and t.stride(3) == 1)
 
 
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,

@@ -1,0 +1,97 @@
+"""Shared-memory stages of the tensor-core decode-attention kernel (kernel_mma.py): block blk + 1's codes,
+scales and zeros arrive by cp.async while block blk's math runs (kernel_notes.md, version 12, for why not
+register prefetches). Only @gluon.jit code and layout constants.
+
+Each stage holds, for one 64-token block of one KV head: key words [4 rows, 128] (int32), key scales and zeros
+of the two 32-token halves [2, 128], value words transposed [4 chunks, 2 words, 64 tokens] (4-byte copies, so that a
+lane reads 16 consecutive tokens of one word in 16-byte loads), value scales and zeros [4, 16 NG] (the 64 x NG
+block in 4 rows, each row one lane group's 16 tokens). The readers load each stage in a layout whose lanes
+match the operands' (kernel_mma_frag.py) and reshape in registers.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+from .kernel_gluon_async import _page_of
+
+# cp.async from global to shared memory: async_copy_global_to_shared in triton 3.6, async_load from 3.7 on
+_async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+
+# copy layouts (one warp): 16-byte pieces along the contiguous dim
+_CP_KW = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))  # [4, 128] int32
+_CP_S = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0]))  # [2, 128] 16-bit
+_CP_VW = gl.constexpr(gl.BlockedLayout([2, 1], [1, 32], [1, 1], [0, 1]))  # [2 words, 64 tokens] int32
+# readers
+_RD_KW = gl.constexpr(gl.DistributedLinearLayout(  # [4 row, 128]: channel 32 m2 + 8 a + e
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]], lane_bases=[[0, 8], [0, 16], [0, 0], [1, 0], [2, 0]],
+    warp_bases=[], block_bases=[], shape=[4, 128]))
+_RD_KS = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128], every r lane the same
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64], [1, 0]], lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[], block_bases=[], shape=[2, 128]))
+_RD_KZ = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128]: lane 16 picks the half
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]], lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [1, 0]],
+    warp_bases=[], block_bases=[], shape=[2, 128]))
+_RD_VW = gl.constexpr(gl.DistributedLinearLayout(  # [2 rh, 64 tokens]: token 16 a + e, word 2 g + rh
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 16], [0, 32], [0, 0], [0, 0], [1, 0]],
+    warp_bases=[], block_bases=[], shape=[2, 64]))
+# value scales [4 a, 16 NG]: element NG t + g of row a is token 16 a + t, group g
+_RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1 << i] for i in range(k + 4)], lane_bases=[[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[], block_bases=[], shape=[4, 16 << k])) for k in range(3))
+
+
+@gluon.jit
+def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr):
+    """Two stages of every buffer: (kw, ks, kz, vw, vs, vz)."""
+    kw = gl.allocate_shared_memory(gl.int32, [2, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    ks = gl.allocate_shared_memory(ks_ty, [2, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    kz = gl.allocate_shared_memory(ks_ty, [2, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    vw = gl.allocate_shared_memory(gl.int32, [8, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))  # [4 st + g]
+    VS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
+    vs = gl.allocate_shared_memory(ks_ty, [2, 4, 16 * NG], VS)
+    vz = gl.allocate_shared_memory(ks_ty, [2, 4, 16 * NG], VS)
+    return kw, ks, kz, vw, vs, vz
+
+
+@gluon.jit
+def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
+                 n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
+                 stride_vs_h, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
+                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr):
+    """cp.async of packed block blk (KV head h) into `stage`, one commit group. Scales and zeros of tokens past
+    nq arrive as zeros (their rows may hold anything)."""
+    NG: gl.constexpr = 128 // GROUP
+    page, off = _page_of(bt_row, blk, n_end, PAGE, 64)
+    off = gl.multiple_of(off, 64)  # a block's first token in its page
+    n_valid = nq - blk * 64
+    # key words [4 rows, 128]
+    offs_row = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP_KW))
+    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, _CP_KW))
+    kc_page = kc_ptr + page * stride_kc_n + h * stride_kc_h
+    _async_load(kw.index(stage), kc_page + (off // 16 + offs_row)[:, None] * stride_kc_w + offs_c[None, :])
+    # key scales and zeros of the two halves [2, 128]
+    offs_half = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_S))
+    offs_sc = gl.arange(0, 128, layout=gl.SliceLayout(0, _CP_S))
+    s_offs = page * stride_ks_n + h * stride_ks_h + ((off + 32 * offs_half) // GROUP)[:, None] * stride_ks_g
+    s_mask = (32 * offs_half < n_valid)[:, None] & (offs_sc < 128)[None, :]
+    _async_load(ks.index(stage), ks_ptr + s_offs + offs_sc[None, :], mask=s_mask)
+    _async_load(kz.index(stage), kz_ptr + s_offs + offs_sc[None, :], mask=s_mask)
+    # value words, transposed: [2 words, 64 tokens] for each 32-channel chunk g (words 2 g, 2 g + 1)
+    offs_w = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_VW))
+    offs_t = gl.arange(0, 64, layout=gl.SliceLayout(0, _CP_VW))
+    v_ptrs = vc_ptr + page * stride_vc_n + h * stride_vc_h + (off + offs_t)[None, :] * stride_vc_t + offs_w[:, None]
+    for g in gl.static_range(4):
+        _async_load(vw.index(4 * stage + g), v_ptrs + 2 * g)
+    # value scales and zeros [4, 16 NG]: row a holds tokens 16 a .. 16 a + 15
+    CP_VS: gl.constexpr = gl.BlockedLayout([1, 2 * NG], [4, 8], [1, 1], [1, 0])  # no lane holds a copy twice
+    offs_a = gl.arange(0, 4, layout=gl.SliceLayout(1, CP_VS))
+    offs_e = gl.arange(0, 16 * NG, layout=gl.SliceLayout(0, CP_VS))
+    gl.static_assert(stride_vs_t == NG)  # contiguous rows (ops_mma._blocks_aligned)
+    v_offs = gl.multiple_of((off + 16 * offs_a) * NG, 16 * NG)[:, None] + offs_e[None, :]
+    v_page = page * stride_vs_n + h * stride_vs_h
+    # nq is a multiple of GROUP >= 32: a token is packed iff its 32-token half is (whole 16-byte copies)
+    v_mask = (32 * (offs_a // 2) < n_valid)[:, None] & (offs_e < 16 * NG)[None, :]
+    _async_load(vs.index(stage), (vs_ptr + v_page) + v_offs, mask=v_mask)
+    _async_load(vz.index(stage), (vz_ptr + v_page) + v_offs, mask=v_mask)
+    cp.commit_group()
