@@ -92,11 +92,12 @@ def plan(name: str):
     if name == "mma":  # version 14, the tensor-core kernel (kernel_mma.py), against the table (GQA) and FMA (MHA)
         def gqa():
             return ([("new", 2, dict(mma=False)), ("new", 2, dict(mma=True))]
-                    + [("new", 2, dict(mma=True, per_sm=p, maxnreg=r)) for p, r in [(16, 255), (32, 255), (32, 168)]])
+                    + [("new", 2, dict(mma=True, maxnreg=r)) for r in (208, 232)]
+                    + [("new", 2, dict(mma=True, per_sm=p)) for p in (16, 32)])
         out = [((B, L, 32, 8), gqa()) for B, L in [(8, 4096), (64, 4096), (256, 4096), (8, 32768), (128, 1152)]]
         out += [((B, L, 32, 32), [("new", 2, dict(fma=True)), ("new", 2, dict(mma=True)),
                                   ("new", 2, dict(mma=True, per_sm=16))]) for B, L in [(64, 4096), (128, 1152)]]
         out.append(((1, 131072, 32, 8), [("new", 2, dict(mma=False))]
-                    + [("new", 2, dict(mma=True, num_splits=s)) for s in (128, 256)]))
+                    + [("new", 2, dict(mma=True, num_splits=s)) for s in (128, 192)]))
         return out
     raise SystemExit(f"unknown plan {name}")

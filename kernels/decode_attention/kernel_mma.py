@@ -40,13 +40,13 @@ from .kernel_mma_frag import (
     _ROWS,
     _S3,
     _S3_RING,
-    _ZL,
     _key_codes,
     _key_scale_halves,
     _key_zeros,
     _perm_channel,
     _value_codes,
     _value_scale_chunks,
+    _value_zeros,
 )
 from .kernel_mma_stage import _allocate_stages, _issue_block
 
@@ -89,23 +89,20 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z0, z1, z2, z3, NG: gl.constexpr):
-    """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the per-lane sums
-    z_g [8 j, 8 h] += sum_nn p v_zero; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens 8 j + nn."""
+def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr):
+    """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
+    z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
+    8 j + nn."""
     alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
-    alpha_z = gl.convert_layout(alpha, gl.SliceLayout(0, _ZL))[None, :]
     p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
     vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
     acc0 = _value_chunk(p_t, vs0, vw.index(4 * st), acc0 * alpha_c)
     acc1 = _value_chunk(p_t, vs1, vw.index(4 * st + 1), acc1 * alpha_c)
     acc2 = _value_chunk(p_t, vs2, vw.index(4 * st + 2), acc2 * alpha_c)
     acc3 = _value_chunk(p_t, vs3, vw.index(4 * st + 3), acc3 * alpha_c)
-    vz0, vz1, vz2, vz3 = _value_scale_chunks(vz, NG)
-    z0 = z0 * alpha_z + gl.sum(p_t * vz0[:, :, None], axis=0)
-    z1 = z1 * alpha_z + gl.sum(p_t * vz1[:, :, None], axis=0)
-    z2 = z2 * alpha_z + gl.sum(p_t * vz2[:, :, None], axis=0)
-    z3 = z3 * alpha_z + gl.sum(p_t * vz3[:, :, None], axis=0)
-    return acc0, acc1, acc2, acc3, z0, z1, z2, z3
+    p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
+    z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
+    return acc0, acc1, acc2, acc3, z
 
 
 @gluon.jit
@@ -185,10 +182,7 @@ def _decode_attention_mma_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    z0 = gl.zeros([8, 8], gl.float32, _ZL)
-    z1 = z0
-    z2 = z0
-    z3 = z0
+    z = gl.zeros([16, 8], gl.float32, _MMA)
     # stage 2: packed blocks through the block table; block blk + 1 arrives by cp.async during block blk
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
@@ -206,8 +200,8 @@ def _decode_attention_mma_kernel(
             cp.wait_group(1)  # block blk's group (all but the newest) has landed
             s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-            acc0, acc1, acc2, acc3, z0, z1, z2, z3 = _value_step(
-                p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2, acc3, z0, z1, z2, z3,
+            acc0, acc1, acc2, acc3, z = _value_step(
+                p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2, acc3, z,
                 128 // GROUP)
         cp.wait_group(0)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
@@ -221,17 +215,16 @@ def _decode_attention_mma_kernel(
         m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res,
                                                      qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL)
         alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
-        alpha_z = gl.convert_layout(alpha, gl.SliceLayout(0, _ZL))[None, :]
         acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
-        z0, z1, z2, z3 = z0 * alpha_z, z1 * alpha_z, z2 * alpha_z, z3 * alpha_z
+        z = z * alpha_c
     # stage 4: codes' factors undone, the zeros' share, normalized (or the split's partial and log-sum-exp)
     has_keys = l_i > 0.0
     inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), _COLS)[None, :]
     o_row = o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s
-    _store_chunk(o_row, acc0, z0, r0, inv_l, 0, stride_o_h, QG)
-    _store_chunk(o_row, acc1, z1, r1, inv_l, 1, stride_o_h, QG)
-    _store_chunk(o_row, acc2, z2, r2, inv_l, 2, stride_o_h, QG)
-    _store_chunk(o_row, acc3, z3, r3, inv_l, 3, stride_o_h, QG)
+    _store_chunk(o_row, acc0, z, r0, inv_l, 0, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc1, z, r1, inv_l, 1, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc2, z, r2, inv_l, 2, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc3, z, r3, inv_l, 3, stride_o_h, QG, GROUP)
     if SPLIT:
         lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
         offs_h = gl.arange(0, 8, layout=_ROWS)
@@ -239,12 +232,13 @@ def _decode_attention_mma_kernel(
 
 
 @gluon.jit
-def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr):
-    """Output channels 32 g + 4 r + i (accumulator row 8 i + r) of the QG heads; z [8 j, 8 h] are the per-lane
-    sums of the zeros' share."""
+def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr, GROUP: gl.constexpr):
+    """Output channels 32 g + 4 r + i (accumulator row 8 i + r) of the QG heads; z [16, 8 h] holds the zeros'
+    share of group m % NG in row m."""
     offs_rho = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA))
+    offs_m = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA))
     offs_h = gl.arange(0, 8, layout=_COLS)
-    z_g = gl.convert_layout(gl.sum(z, axis=0), _COLS)  # [8 h]
+    z_g = gl.sum(gl.where((offs_m == (32 * g) // GROUP)[:, None], z, 0.0), axis=0)  # [8 h]
     factor = 16777216.0 / (1 << (2 * (offs_rho // 8))).to(gl.float32)  # 2^24 / 4^i
     out = (acc * factor[:, None] + z_g[None, :] + ring) * inv_l
     chan = 32 * g + 4 * (offs_rho % 8) + offs_rho // 8

@@ -60,9 +60,20 @@ _S3_RING = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=[], block_bases=[],
     shape=[8, 1, 32]))
+# value zeros as the zeros' product's A operand, from a stage [4 a, 16 NG]: element (a, NG (8 b + nn) + gg) is
+# token 16 a + 8 b + nn (column kappa = 8 nn + 2 a + b) of group gg; lanes 4, 8 hold gg (broadcast where NG < 4)
+_RD_VZ1, _RD_VZ2, _RD_VZ4 = (gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 8 << k], [0, 1 << k], [0, 2 << k], [0, 4 << k]],
+    lane_bases=[[1, 0], [2, 0]] + [[0, 1 << i] for i in range(k)] + [[0, 0]] * (3 - k), warp_bases=[],
+    block_bases=[], shape=[4, 16 << k])) for k in range(3))
+# ... broadcast to the A operand's 16 rows: [2 m8, 8 / NG, NG gg, 64 kappa] (row 8 m8 + NG i + gg: group gg)
+_VZ1, _VZ2, _VZ4 = (gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 0, 32]],
+    lane_bases=[[0, 0, 0, 2], [0, 0, 0, 4]] + [[0, 0, 1 << i, 0] for i in range(k)] + [[0, 1 << i, 0, 0]
+                                                                                        for i in range(3 - k)],
+    warp_bases=[], block_bases=[], shape=[2, 8 >> k, 1 << k, 64])) for k in range(3))
 _ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(1, _S3)))  # [8 h] on lanes r
 _COLS = gl.constexpr(gl.SliceLayout(0, _MMA))  # [8 h] on lanes a (the value accumulators' columns)
-_ZL = gl.constexpr(gl.SliceLayout(0, _P3))  # [8 j, 8 h] per-lane sums of the zeros' share
 
 
 @gluon.jit
@@ -168,3 +179,18 @@ def _value_scale_chunks(vs, NG: gl.constexpr):
         v1, v3 = gl.split(vo)
     S: gl.constexpr = gl.SliceLayout(2, _P3)
     return (gl.convert_layout(v0, S), gl.convert_layout(v1, S), gl.convert_layout(v2, S), gl.convert_layout(v3, S))
+
+
+@gluon.jit
+def _value_zeros(vz, NG: gl.constexpr):
+    """A operand [16, 64 kappa] of the value zeros from a stage's vz [4, 16 NG]: row m holds group m % NG."""
+    RD: gl.constexpr = _RD_VZ1 if NG == 1 else _RD_VZ2 if NG == 2 else _RD_VZ4
+    L4: gl.constexpr = _VZ1 if NG == 1 else _VZ2 if NG == 2 else _VZ4
+    v = vz.load(RD)  # [4 a, 16 NG]
+    v = v.reshape([4, 2, 8, NG]).permute(3, 2, 0, 1).reshape([NG, 64])  # [gg, kappa = 8 nn + 2 a + b]
+    v = gl.convert_layout(v, gl.SliceLayout(0, gl.SliceLayout(1, L4)), assert_trivial=True)[None, None, :, :]
+    m8 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))[:, None, None, None]
+    mi = gl.arange(0, 8 // NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))[None, :, None, None]
+    v, _ = gl.broadcast(v, m8)
+    v, _ = gl.broadcast(v, mi)
+    return gl.convert_layout(v.reshape([16, 64]), _OP_A, assert_trivial=True)
