@@ -186,24 +186,26 @@ def bench_paged(B, L, Hq, H, D, copy_gbps) -> dict:
 
 
 def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
-    """Explicit tuning dicts: the launcher's default first (the Gluon FMA kernel for MHA and the tensor-core
-    kernel of kernel_mma.py for GQA where they apply, else the tensor-core table), then (with --tune) the other
-    candidates."""
+    """Explicit tuning dicts: the launcher's default first (the tensor-core kernel of kernel_mma.py where it
+    applies, else the Gluon FMA kernel for MHA, else the tensor-core table), then (with --tune) the other
+    candidates (the FMA kernel among them for MHA)."""
     if DEV.type != "cuda":
         return [{}]
     from kernel_sweep import max_tokens_of, resolve
 
     from kernels.decode_attention.ops_fma import _decode_attention_fma_kernel, fma_by_default
-    from kernels.decode_attention.ops_mma import MMA_GQA_DEFAULT, _decode_attention_mma_kernel
+    from kernels.decode_attention.ops_mma import MMA_DEFAULT, _decode_attention_mma_kernel
 
-    eligible = bits == 2 and Hq == H and _decode_attention_fma_kernel is not None  # (resolve assumes D = 128)
+    mma_ok = bits == 2 and H <= Hq <= 8 * H and MMA_DEFAULT and _decode_attention_mma_kernel is not None  # (bf16)
+    mma = fma_by_default(B * H, max_tokens_of(L), mma_ok)
+    eligible = bits == 2 and Hq == H and _decode_attention_fma_kernel is not None and not mma  # (D = 128)
     fma = fma_by_default(B * H, max_tokens_of(L), eligible)
-    gqa = bits == 2 and H < Hq <= 8 * H and MMA_GQA_DEFAULT and _decode_attention_mma_kernel is not None
-    mma = fma_by_default(B * H, max_tokens_of(L), gqa)
     out = [resolve("new", B, L, Hq, H, dict(fma=True), bits)] if fma else []
     out += [resolve("new", B, L, Hq, H, dict(mma=True), bits)] if mma else []
     if tune or not (fma or mma):
         out.append(resolve("new", B, L, Hq, H, {}, bits))
+    if tune and mma and Hq == H:
+        out.append(resolve("new", B, L, Hq, H, dict(fma=True), bits))
     if tune:
         for c in CANDIDATES[bits]:
             t = resolve("new", B, L, Hq, H, c, bits)

@@ -44,6 +44,8 @@ from .kernel_mma_frag import (
     _key_scale_halves,
     _key_zeros,
     _perm_channel,
+    _ring_keys,
+    _ring_values,
     _value_codes,
     _value_scale_chunks,
     _value_zeros,
@@ -118,27 +120,19 @@ def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, r0
     """One online-softmax step over ring slots [start, start + 32) (pointers at the row's slot and head): full
     precision keys and values on the same mma path, the value sums into r0..r3 (no code factor). Returns
     (m_i, l_i, alpha, r0, r1, r2, r3); the caller rescales its other sums by alpha."""
-    offs_c = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B)))
-    offs_n = start + gl.arange(0, 32, layout=gl.SliceLayout(0, _OP_B))
-    ok_n = ((offs_n + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_n < RESIDUAL)
-    k_t = gl.load(kr_ptr + offs_n[None, :] * stride_res_t + offs_c[:, None], mask=ok_n[None, :], other=0.0)
-    raw = mma_v2(q_a, k_t, gl.zeros([16, 32], gl.float32, _MMA))
-    s, _ = gl.split(raw.reshape([2, 8, 32]).permute(1, 2, 0))
-    s = gl.convert_layout(s, gl.SliceLayout(1, _S3_RING))
     offs_s = start + gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _S3_RING)))
     ok_s = ((offs_s + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_s < RESIDUAL)
+    raw = mma_v2(q_a, _ring_keys(kr_ptr, start, ok_s, stride_res_t), gl.zeros([16, 32], gl.float32, _MMA))
+    s, _ = gl.split(raw.reshape([2, 8, 32]).permute(1, 2, 0))
+    s = gl.convert_layout(s, gl.SliceLayout(1, _S3_RING))
     s = gl.where(ok_s[None, :], s * qk_scale, float("-inf"))[:, None, :]  # [8, 1, 32]
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
     alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
     p_t = gl.convert_layout(p.reshape([8, 32]).permute(1, 0).to(vr_ptr.dtype.element_ty), _OP_B)  # [32, 8]
-    offs_rho = gl.arange(0, 32, layout=gl.SliceLayout(1, _OP_A))
-    offs_k = start + gl.arange(0, 32, layout=gl.SliceLayout(0, _OP_A))
-    ok_k = ((offs_k + RESIDUAL - nq_mod) % RESIDUAL < n_res) & (offs_k < RESIDUAL)
-    v_rows = vr_ptr + offs_k[None, :] * stride_res_t + (4 * (offs_rho % 8) + offs_rho // 8)[:, None]
-    r0 = mma_v2(gl.load(v_rows, mask=ok_k[None, :], other=0.0), p_t, r0 * alpha_c)
-    r1 = mma_v2(gl.load(v_rows + 32, mask=ok_k[None, :], other=0.0), p_t, r1 * alpha_c)
-    r2 = mma_v2(gl.load(v_rows + 64, mask=ok_k[None, :], other=0.0), p_t, r2 * alpha_c)
-    r3 = mma_v2(gl.load(v_rows + 96, mask=ok_k[None, :], other=0.0), p_t, r3 * alpha_c)
+    r0 = mma_v2(_ring_values(vr_ptr, start, ok_s, 0, stride_res_t), p_t, r0 * alpha_c)
+    r1 = mma_v2(_ring_values(vr_ptr, start, ok_s, 1, stride_res_t), p_t, r1 * alpha_c)
+    r2 = mma_v2(_ring_values(vr_ptr, start, ok_s, 2, stride_res_t), p_t, r2 * alpha_c)
+    r3 = mma_v2(_ring_values(vr_ptr, start, ok_s, 3, stride_res_t), p_t, r3 * alpha_c)
     return m_i, l_i, alpha, r0, r1, r2, r3
 
 

@@ -72,6 +72,14 @@ _VZ1, _VZ2, _VZ4 = (gl.constexpr(gl.DistributedLinearLayout(
     lane_bases=[[0, 0, 0, 2], [0, 0, 0, 4]] + [[0, 0, 1 << i, 0] for i in range(k)] + [[0, 1 << i, 0, 0]
                                                                                         for i in range(3 - k)],
     warp_bases=[], block_bases=[], shape=[2, 8 >> k, 1 << k, 64])) for k in range(3))
+# the ring's keys as loaded [32 slots n, 128 channels]: channel 32 m2 + 8 a + e, slot r + 8 nn
+_RK = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64], [8, 0], [16, 0]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[32, 128]))
+# the ring's values of one 32-channel chunk as loaded [32 slots, 32 channels]: channel 4 r + i, slot 2 a + b + 8 m
+_RV = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0]],
+    lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]], warp_bases=[], block_bases=[], shape=[32, 32]))
 _ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(1, _S3)))  # [8 h] on lanes r
 _COLS = gl.constexpr(gl.SliceLayout(0, _MMA))  # [8 h] on lanes a (the value accumulators' columns)
 
@@ -194,3 +202,30 @@ def _value_zeros(vz, NG: gl.constexpr):
     v, _ = gl.broadcast(v, m8)
     v, _ = gl.broadcast(v, mi)
     return gl.convert_layout(v.reshape([16, 64]), _OP_A, assert_trivial=True)
+
+
+@gluon.jit
+def _ring_keys(kr_ptr, start, valid, stride_res_t: gl.constexpr):
+    """B operand [128 kappa, 32 n] of ring slots start + n (kr_ptr at the row's slot and head; zeros where not
+    valid, a [32] mask in slot order), loaded 16 bytes at a time."""
+    offs_n = start + gl.arange(0, 32, layout=gl.SliceLayout(1, _RK))
+    offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, _RK))
+    ok = gl.convert_layout(valid, gl.SliceLayout(1, _RK))
+    k = gl.load(kr_ptr + offs_n[:, None] * stride_res_t + offs_c[None, :], mask=ok[:, None] & (offs_c < 128)[None, :],
+                other=0.0)
+    # [32 n, 4 m2, 4 a, 4 mm, 2 b] -> [128 kappa = 32 m2 + 8 mm + 2 a + b, 32 n]
+    k = k.reshape([32, 4, 4, 4, 2]).permute(1, 3, 2, 4, 0).reshape([128, 32])
+    return gl.convert_layout(k, _OP_B, assert_trivial=True)
+
+
+@gluon.jit
+def _ring_values(vr_ptr, start, valid, g: gl.constexpr, stride_res_t: gl.constexpr):
+    """A operand [32 rho, 32 k] of ring slots start + k for channels 32 g + 4 r + i (rho = 8 i + r), loaded 8
+    bytes at a time (zeros where not valid)."""
+    offs_k = start + gl.arange(0, 32, layout=gl.SliceLayout(1, _RV))
+    offs_c = 32 * g + gl.arange(0, 32, layout=gl.SliceLayout(0, _RV))
+    ok = gl.convert_layout(valid, gl.SliceLayout(1, _RV))
+    v = gl.load(vr_ptr + offs_k[:, None] * stride_res_t + offs_c[None, :], mask=ok[:, None] & (offs_c < 128)[None, :],
+                other=0.0)
+    v = v.reshape([32, 8, 4]).permute(2, 1, 0).reshape([32, 32])  # [rho = 8 i + r, k]
+    return gl.convert_layout(v, _OP_A)

@@ -9,7 +9,7 @@ import torch
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
-from .ops_mma import MMA_GQA_DEFAULT, launch_mma, mma_eligible
+from .ops_mma import MMA_DEFAULT, launch_mma, mma_eligible
 
 _OP = "decode_attention"
 
@@ -129,8 +129,8 @@ def decode_attention(
     packed block's words into shared memory while it computes the current one; default: where the page
     tensors' strides allow it), magic (the FMA kernel's version 13 step, kernel_gluon_magic.py; default
     ops_fma.FMA_MAGIC), mma (2-bit keys and values, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16,
-    on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; default for
-    grouped-query calls where eligible and large enough; of the other knobs only num_splits and maxnreg apply).
+    on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; the default where
+    eligible and large enough, ahead of fma; of the other knobs only num_splits and maxnreg apply).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -146,9 +146,8 @@ def decode_attention(
     knobs = (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, cp_async, magic)
     mma_ok = mma_eligible(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), k_res, k_bits, v_bits,
                           group_size, residual_length, page_size, qg)
-    if mma is None:  # grouped-query calls, where eligible and large enough, unless another path's knobs were given
-        mma = (MMA_GQA_DEFAULT and qg > 1 and all(v is None for v in knobs)
-               and fma_by_default(batch * kv_heads, max_tokens, mma_ok))
+    if mma is None:  # where eligible and large enough, unless another path's knobs were given
+        mma = MMA_DEFAULT and all(v is None for v in knobs) and fma_by_default(batch * kv_heads, max_tokens, mma_ok)
     if mma:
         if not mma_ok:
             raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit keys and values, 1 to 8 query "

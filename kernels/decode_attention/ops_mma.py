@@ -1,8 +1,8 @@
 """Launcher of version 14, the tensor-core decode-attention kernel with register-built fragments
 (kernel_mma.py): 2-bit caches, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16, on a GPU.
 
-ops.decode_attention calls launch_mma by default for grouped-query calls (Hq > H) where mma_eligible holds;
-kernel_notes.md (version 14) has the measurements behind the defaults.
+ops.decode_attention calls launch_mma by default where mma_eligible holds and the call is large enough
+(ops_fma.FMA_MIN_WORK); fp32 caches keep the FMA kernel. kernel_notes.md (version 14) has the measurements.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ except ImportError:  # pragma: no cover - older triton
     _decode_attention_mma_kernel = None
 
 _OP = "decode_attention"
-# kernels-20261129-h200-sweep-mma3.json (32/8 heads, bf16, with cp.async stages): 1.4-2.7x the tensor-core table
-# (B=64, L=4,096: 124 vs 251 us; B=256: 422 vs 888; B=8, L=32,768: 115 vs 314; B=1, L=131,072: 60 vs 117); uncapped
-# registers (8 programs per SM) beat a cap of 168 on every shape. On MHA caches it ties the FMA kernel at B=64,
-# L=4,096 (411 vs 407 us) and loses at the engine's B=128, L=1,152 (303 vs 266), so MHA keeps the FMA kernel
+# kernels-20261129-h200-sweep-mma5.json (version 14d, ring loads vectorized; bf16): 32/8 heads 2.3-2.7x the
+# tensor-core table (B=64, L=4,096: 108 vs 253 us; B=256: 363 vs 887; B=8, L=32,768: 101 vs 309; B=128, L=1,152:
+# 74 vs 135; B=1, L=131,072: 56 vs 116), and on 32/32 heads 1.14-1.19x the FMA kernel (B=64, L=4,096: 356 vs 405;
+# B=128, L=1,152: 222 vs 265); uncapped registers were as fast as caps of 208 or 232 and faster than 168
 MMA_MAXNREG = 255  # register cap per thread of the one-warp programs (255: no spills, 8 per SM)
-MMA_PER_SM = 24  # programs per SM its split count aims for
-MMA_GQA_DEFAULT = True  # the default for calls with more than one query head per KV head (where eligible)
+MMA_PER_SM = 16  # programs per SM its split count aims for (16 was 0-3% faster than 24 and 32 in that sweep)
+MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
 def mma_eligible(q: torch.Tensor, pages: tuple[torch.Tensor, ...], k_res: torch.Tensor, k_bits: int,
