@@ -328,6 +328,81 @@ def test_mma_kernel_rejects_ineligible_calls():
         run(decode_attention, case, q, cache, mma=True)
 
 
+def _record_launches(monkeypatch, module, name):
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(module, name, Recorder())
+    return calls
+
+
+def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
+    """launch_mma's host side (no GPU needed): the recorded launch names every parameter of the Gluon kernel
+    exactly once, with the grid, query-group size, register cap and split count the launcher chose."""
+    from kernels.decode_attention import kernel_mma, ops_mma
+
+    calls = _record_launches(monkeypatch, ops_mma, "_decode_attention_mma_kernel")
+    case = Case((300, 77, 1000), 8, 2, 128, 2, 2, dtype=torch.bfloat16)
+    q, cache, _ = make_inputs(case)
+    out = torch.empty_like(q)
+    args = [cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
+                               "block_table", "slots", "seq_lens")]
+    got = ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, None, 1152)
+    assert got is out and len(calls) == 1
+    grid, pos, kw = calls[0]
+    names = kernel_mma._decode_attention_mma_kernel.arg_names
+    passed = list(names[:len(pos)]) + [k for k in kw if k in names]
+    assert sorted(passed) == sorted(names), set(names) ^ set(passed)
+    splits = grid[2]
+    assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
+    assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
+    assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace
+    with pytest.raises(ValueError, match="maxnreg"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, maxnreg=100)
+
+
+def test_mma_eligibility_follows_the_kernels_limits():
+    """mma_eligible on host tensors: what the kernel supports, and page tensors cp.async can copy whole."""
+    from kernels.decode_attention import ops_mma
+
+    case = Case((300,), 8, 2, 128, 2, 2, dtype=torch.bfloat16)
+    q, cache, _ = make_inputs(case)
+    pages = tuple(cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
+    ok = dict(k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128, qg=4)
+    assert not ops_mma.mma_eligible(q, pages, cache["k_res"], **ok)  # a CPU tensor (or the interpreter)
+    assert ops_mma._blocks_aligned(pages[4]) and ops_mma._blocks_aligned(pages[5])
+    assert not ops_mma._blocks_aligned(pages[4].transpose(2, 3))  # rows must be contiguous
+
+
+def test_launcher_defaults_to_the_mma_kernel_for_large_16bit_calls(monkeypatch):
+    """ops.decode_attention's choice (host side): large eligible calls, MHA and GQA, take launch_mma; small ones
+    and calls that set another path's knobs do not. (The cases here are small, so the size rule is patched to
+    call them large; the rule itself is checked on its own.)"""
+    from kernels.decode_attention import ops
+
+    assert not ops.fma_by_default(8, 640, True) and ops.fma_by_default(128, 2176, True)
+    assert not ops.fma_by_default(128, 2176, False)
+    chosen = []
+    monkeypatch.setattr(ops, "fma_by_default", lambda rows, max_tokens, eligible: eligible)
+    monkeypatch.setattr(ops, "mma_eligible", lambda *a, **k: True)
+    monkeypatch.setattr(ops, "launch_mma", lambda *a, **k: chosen.append("mma") or a[12])
+    monkeypatch.setattr(ops, "launch_fma", lambda *a, **k: chosen.append("fma") or a[12])
+    monkeypatch.setattr(ops, "fma_eligible", lambda *a, **k: True)
+    for q_heads, kv_heads in ((8, 2), (4, 4)):
+        case = Case((300, 200), q_heads, kv_heads, 128, 2, 2, dtype=torch.bfloat16)
+        q, cache, _ = make_inputs(case)
+        out = torch.empty_like(q)
+        run(decode_attention, case, q, cache, out=out)
+        run(decode_attention, case, q, cache, out=out, fma=True)  # another path's knob
+    assert chosen == ["mma", "fma", "mma", "fma"]
+    with pytest.raises(ValueError, match="mma needs"):
+        monkeypatch.setattr(ops, "mma_eligible", lambda *a, **k: False)
+        run(decode_attention, case, q, cache, out=out, mma=True)
+
+
 def test_reference_takes_the_launchers_arguments():
     """The reference is the spec and the CPU path: it accepts every argument the launcher does, in order."""
     assert (list(inspect.signature(reference.decode_attention).parameters)
