@@ -13,15 +13,17 @@ c 4^w 2^-24 (a subnormal, exact), and the factor 4^w 2^-24 is undone once per sc
 channel (values). An AND of a word pair merged by one PRMT gives two codes, i.e. one mma register.
 
 Fragment layouts (NVMMA v2, one warp; lane = 4 r + a):
-    keys    B[128 c, 64 n]: thread (a, r) holds channel pairs 8 m + 2 a + {0, 1} and columns n = r + 8 nn;
-            column n is token 8 r + nn of the step: half r % 2 of key word r // 2, code nn. The halves of two
-            channels' words, merged by PRMT, hold 8 tokens of both; tokens nn < 5 sit at bits 2 nn, the others
-            at 2 (nn - 5) after one shift by 10.
+    keys    B[128 kappa, 64 n]: thread (a, r) holds kappa pairs 8 m + 2 a + {0, 1} (channels in the order of
+            kernel_mma_frag._perm_channel, four runs of 8 per lane) and columns n = r + 8 nn; column n is token
+            8 r + nn of the step: half r % 2 of key word r // 2, code nn. The halves of two channels' words,
+            merged by PRMT, hold 8 tokens of both; tokens nn < 5 sit at bits 2 nn, the others at 2 (nn - 5)
+            after one shift by 10.
     scores  S [16, 64]: rows h (key-scale half 0) and 8 + h (half 1); a thread's columns are all in one half.
     values  A[32 rho, 64 k] per 32-channel chunk g: row rho = 8 i + r is channel 32 g + 4 r + i (byte r % 4 of
             value word 2 g + r // 4, code i); column k = 8 nn + j is token 8 j + nn, as for the scores, so the
             probabilities pass from the scores' accumulator to the values' B operand without any data movement.
-The residual ring (full precision) takes the same mma path with its own operands and accumulators.
+The residual ring (full precision) takes the same mma path with its own operands and accumulators. Packed
+blocks arrive by cp.async in two shared-memory stages (kernel_mma_stage.py) while the previous block computes.
 """
 
 from triton.experimental import gluon
