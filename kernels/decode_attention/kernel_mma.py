@@ -10,7 +10,9 @@ tensor cores as they are, with no dequantization:
              out[h, c] = O^T[c, h] + sum_t v_zero[t, g(c)] p[h, t]                  (a third, small mma)
 A code becomes an fp16 by one AND: kept at mantissa bits 2 w, 2 w + 1 with a zero exponent it reads
 c 4^w 2^-24 (a subnormal, exact), and the factor 4^w 2^-24 is undone once per score column (keys) or output
-channel (values). An AND of a word pair merged by one PRMT gives two codes, i.e. one mma register.
+channel (values). An AND of a word pair merged by one PRMT gives two codes, i.e. one mma register. The other
+operands are fp16 too, for bf16 models as well: q qk k_scale per channel (a logit's share of one channel, far
+below fp16's 65,504 for real keys: k_scale is a third of the channel's range over 32 tokens) and p v_scale.
 
 Fragment layouts (NVMMA v2, one warp; lane = 4 r + a):
     keys    B[128 kappa, 64 n]: thread (a, r) holds kappa pairs 8 m + 2 a + {0, 1} (channels in the order of
