@@ -225,16 +225,7 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: c.id)
 def test_kernel_matches_reference(case: Case):
-    q, cache, _ = make_inputs(case)
-    expected = run(reference.decode_attention, case, q, cache)
-    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
-    tuning = dict(num_splits=case.num_splits, block_n=case.block_n, use_dot=case.use_dot, **dict(case.extra))
-    got = run(decode_attention, case, q, cache, out=out, **tuning)
-    assert got is out
-    assert_close(got, expected, TOL[case.dtype], case.id)
-    for b, L in enumerate(case.lens):
-        if L == 0:
-            assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
+    check_against_reference(case, TOL[case.dtype], block_n=case.block_n, use_dot=case.use_dot, **dict(case.extra))
 
 
 # The Gluon FMA kernel (kernel_gluon.py): compiled only (Gluon has no interpreter), so these run on a GPU.
@@ -278,16 +269,22 @@ MAGIC_FP32_TOL = 5e-4
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
 @pytest.mark.parametrize("case", FMA_CASES, ids=lambda c: c.id)
 def test_fma_kernel_matches_reference(case: Case):
-    q, cache, _ = make_inputs(case)
-    expected = run(reference.decode_attention, case, q, cache)
-    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
-    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, block_n=case.block_n, fma=True,
-              **dict(case.extra))
-    assert got is out
     from kernels.decode_attention.ops_fma import FMA_MAGIC
 
     magic = dict(case.extra).get("magic", FMA_MAGIC)  # the launcher's default when the case does not say
-    assert_close(got, expected, MAGIC_FP32_TOL if magic and case.dtype == torch.float32 else TOL[case.dtype], case.id)
+    tol = MAGIC_FP32_TOL if magic and case.dtype == torch.float32 else TOL[case.dtype]
+    check_against_reference(case, tol, block_n=case.block_n, fma=True, **dict(case.extra))
+
+
+def check_against_reference(case: Case, tol: float, **knobs) -> None:
+    """The launcher with these knobs against the reference, into a NaN-poisoned output (unwritten rows fail);
+    rows with seq_len 0 must come back as zeros."""
+    q, cache, _ = make_inputs(case)
+    expected = run(reference.decode_attention, case, q, cache)
+    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
+    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, **knobs)
+    assert got is out
+    assert_close(got, expected, tol, case.id)
     for b, L in enumerate(case.lens):
         if L == 0:
             assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
@@ -310,15 +307,7 @@ MMA_CASES = [
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
 def test_mma_kernel_matches_reference(case: Case):
-    q, cache, _ = make_inputs(case)
-    expected = run(reference.decode_attention, case, q, cache)
-    out = torch.full(q.shape, math.nan, dtype=q.dtype, device=DEVICE)
-    got = run(decode_attention, case, q, cache, out=out, num_splits=case.num_splits, mma=True)
-    assert got is out
-    assert_close(got, expected, TOL[case.dtype], case.id)
-    for b, L in enumerate(case.lens):
-        if L == 0:
-            assert (got[b] == 0).all(), "rows with seq_len 0 must be zeros"
+    check_against_reference(case, TOL[case.dtype], mma=True)
 
 
 def test_mma_kernel_rejects_ineligible_calls():
