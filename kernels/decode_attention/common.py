@@ -132,6 +132,23 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor) ->
     )
 
 
+def launch_kivi(kernel, q: torch.Tensor, caches: tuple, out: torch.Tensor, sm_scale: float, num_splits: int,
+                **meta) -> torch.Tensor:
+    """One launch of a KIVI decode-attention kernel on grid (B, KV heads, num_splits) with the arguments all of
+    them take, then the split merge. caches: (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
+    block_table, slots, seq_lens); meta: the kernel's own constexprs and launch options."""
+    k_codes, k_scale, _, v_codes, v_scale, _, k_res, _, block_table, _, _ = caches
+    o, lse, o_strides, workspace = output_args(out, num_splits)
+    kernel[(q.shape[0], k_codes.shape[1], num_splits)](
+        q, *caches, o, lse, qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
+        **input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
+        SPLIT=num_splits > 1, **meta,
+    )
+    if workspace is not None:
+        merge_splits(*workspace, out)
+    return out
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

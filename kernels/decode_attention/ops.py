@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import common as C
@@ -143,11 +141,12 @@ def decode_attention(
         return out
 
     max_tokens = block_table.shape[1] * page_size + residual_length
-    knobs = (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, cp_async, magic)
+    table_knobs = (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab)
     mma_ok = mma_eligible(q, (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero), k_res, k_bits, v_bits,
                           group_size, residual_length, page_size, qg)
     if mma is None:  # where eligible and large enough, unless another path's knobs were given
-        mma = MMA_DEFAULT and all(v is None for v in knobs) and fma_by_default(batch * kv_heads, max_tokens, mma_ok)
+        untuned = all(v is None for v in (*table_knobs, fma, cp_async, magic))
+        mma = MMA_DEFAULT and untuned and fma_by_default(batch * kv_heads, max_tokens, mma_ok)
     if mma:
         if not mma_ok:
             raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit keys and values, 1 to 8 query "
@@ -162,7 +161,7 @@ def decode_attention(
                           maxnreg)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
-        tuned = any(v is not None for v in (block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab))
+        tuned = any(v is not None for v in table_knobs)
         fma = not tuned and fma_by_default(batch * kv_heads, max_tokens, fma_ok)
     if fma:
         if not fma_ok:
@@ -201,22 +200,15 @@ def decode_attention(
 
     if swap_ab and block_n != 128:
         raise ValueError(f"{_OP}: swap_ab needs block_n 128, got {block_n}")
-    o, lse, o_strides, workspace = C.output_args(out, num_splits)
-    _decode_attention_kernel[(batch, kv_heads, num_splits)](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
-        block_table, slots, seq_lens, o, lse,
-        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
-        **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table),
-        **o_strides,
+    caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
+    return C.launch_kivi(
+        _decode_attention_kernel, q, caches, out, sm_scale, num_splits,
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, SPLIT=num_splits > 1, NUM_STAGES=num_stages,
+        HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, NUM_STAGES=num_stages,
         LAZY_L=lazy, KEY_VEC=key_vec, USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
         USE_ASM=not C.interpreting(), SWAP_AB=swap_ab, RING_N=32 if swap_ab else 0, num_warps=num_warps,
         num_stages=num_stages,
     )
-    if workspace is not None:
-        C.merge_splits(*workspace, out)
-    return out
 
 
 def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,

@@ -6,8 +6,6 @@ ops.decode_attention calls launch_fma by default where fma_eligible holds and th
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import common as C
@@ -89,14 +87,9 @@ def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=per_sm,
                                          max_splits=C.ONE_WARP_MAX_SPLITS)
     C.check_int(_OP, "num_splits", num_splits)
-    o, lse, o_strides, workspace = C.output_args(out, num_splits)
-    _decode_attention_fma_kernel[(batch, heads, num_splits)](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens, o, lse,
-        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
-        **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
-        GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1, BLOCK_N=block_n,
+    caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
+    return C.launch_kivi(
+        _decode_attention_fma_kernel, q, caches, out, sm_scale, num_splits,
+        GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, BLOCK_N=block_n,
         ASYNC=cp_async, MAGIC=FMA_MAGIC if magic is None else bool(magic), num_warps=1, maxnreg=maxnreg,
     )
-    if workspace is not None:
-        C.merge_splits(*workspace, out)
-    return out

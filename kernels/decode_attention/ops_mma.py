@@ -7,8 +7,6 @@ ops.decode_attention calls launch_mma by default where mma_eligible holds and th
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import common as C
@@ -63,14 +61,9 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         num_splits = C.choose_num_splits(batch * kv_heads, max_tokens, q.device, programs_per_sm=MMA_PER_SM,
                                          max_splits=C.ONE_WARP_MAX_SPLITS)
     C.check_int(_OP, "num_splits", num_splits)
-    o, lse, o_strides, workspace = C.output_args(out, num_splits)
-    _decode_attention_mma_kernel[(batch, kv_heads, num_splits)](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens, o, lse,
-        qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
-        **C.input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
-        QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, SPLIT=num_splits > 1,
-        num_warps=1, maxnreg=maxnreg,
+    caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
+    return C.launch_kivi(
+        _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
+        QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, num_warps=1,
+        maxnreg=maxnreg,
     )
-    if workspace is not None:
-        C.merge_splits(*workspace, out)
-    return out
