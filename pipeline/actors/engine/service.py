@@ -99,11 +99,10 @@ class EngineService:
     def _take(self, block: bool) -> None:
         """Hand every waiting list to the engine (waiting for one when it has nothing to do)."""
         try:
-            item = self.inbox.get(block=block)
+            first = self.inbox.get(block=block)
         except queue.Empty:
             return
-        while item is not None:
-            requests, future, t_submit = item
+        for requests, future, t_submit in [first, *_drain(self.inbox)]:
             t0 = time.perf_counter()
             try:
                 sub = self.engine.add(requests, on_done=lambda s, f=future: self.finished.append((s, f)),
@@ -112,10 +111,6 @@ class EngineService:
                 self.in_flight[id(sub)] = future
             except Exception as err:  # noqa: BLE001 - a bad list fails its own call only
                 self._fail([future], err)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                item = None
 
     def _answer(self) -> None:
         finished, self.finished = self.finished, []
