@@ -105,6 +105,13 @@ def _codes_f16(x, mask):
 
 
 @gluon.jit
+def _to_kappa(v, N: gl.constexpr):
+    """[N, 128 channels] -> [128 kappa, N]: channel 32 m2 + 8 a + 2 mm + b becomes operand index
+    kappa = 32 m2 + 8 mm + 2 a + b (the inverse of _perm_channel), a register-only reshape."""
+    return v.reshape([N, 4, 4, 4, 2]).permute(1, 3, 2, 4, 0).reshape([128, N])
+
+
+@gluon.jit
 def _key_codes(kw):
     """B operand [128 kappa, 64 n] fp16 from a stage's key words kw [4 rows, 128]: column n = 8 nn + r is token
     8 r + nn, half r % 2 of word row r // 2, code nn."""
@@ -131,8 +138,7 @@ def _key_scale_halves(ks):
     """Key scales of the step's two 32-token halves from a stage's ks [2, 128], [128 kappa] fp32 each in the
     query's order."""
     v = ks.load(_RD_KS).to(gl.float32)  # [2 half, 128]
-    # [2, 4 m2, 4 a, 4 mm, 2 b] -> [128 kappa = 32 m2 + 8 mm + 2 a + b, 2 half]
-    v0, v1 = gl.split(v.reshape([2, 4, 4, 4, 2]).permute(1, 3, 2, 4, 0).reshape([128, 2]))
+    v0, v1 = gl.split(_to_kappa(v, 2))  # [128 kappa] of each half
     return (gl.convert_layout(v0, gl.SliceLayout(0, _Q8), assert_trivial=True),
             gl.convert_layout(v1, gl.SliceLayout(0, _Q8), assert_trivial=True))
 
@@ -141,8 +147,7 @@ def _key_scale_halves(ks):
 def _key_zeros(kz):
     """B operand [128 kappa, 8 jj] of the key zeros from a stage's kz [2, 128]: column jj holds half jj // 4."""
     v = kz.load(_RD_KZ)  # [2 half, 128]
-    v = v.reshape([2, 4, 4, 4, 2]).permute(1, 3, 2, 4, 0).reshape([128, 2])
-    v = gl.convert_layout(v, gl.SliceLayout(2, _KZ3), assert_trivial=True)[:, :, None]
+    v = gl.convert_layout(_to_kappa(v, 2), gl.SliceLayout(2, _KZ3), assert_trivial=True)[:, :, None]
     jjj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _KZ3)))[None, None, :]
     v, _ = gl.broadcast(v, jjj)
     return gl.convert_layout(v.reshape([128, 8]), _OP_B, assert_trivial=True)
@@ -213,9 +218,7 @@ def _ring_keys(kr_ptr, start, valid, stride_res_t: gl.constexpr):
     ok = gl.convert_layout(valid, gl.SliceLayout(1, _RK))
     k = gl.load(kr_ptr + offs_n[:, None] * stride_res_t + offs_c[None, :], mask=ok[:, None] & (offs_c < 128)[None, :],
                 other=0.0)
-    # [32 n, 4 m2, 4 a, 4 mm, 2 b] -> [128 kappa = 32 m2 + 8 mm + 2 a + b, 32 n]
-    k = k.reshape([32, 4, 4, 4, 2]).permute(1, 3, 2, 4, 0).reshape([128, 32])
-    return gl.convert_layout(k, _OP_B, assert_trivial=True)
+    return gl.convert_layout(_to_kappa(k, 32), _OP_B, assert_trivial=True)
 
 
 @gluon.jit
