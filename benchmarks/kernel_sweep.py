@@ -56,18 +56,11 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
     from kernels.decode_attention.ops import MAX_SPLITS, launch_config
     from kernels.decode_attention.ops_fma import FMA_PER_SM
 
-    if t.get("mma"):  # the tensor-core kernel (kernel_mma.py): only the split count and register cap apply
-        from kernels.decode_attention import common as C
+    if t.get("mma") or t.get("fma"):  # the Gluon kernels (kernel_mma.py, kernel_gluon.py): only the split count
+        from kernels.decode_attention import common as C  # (and register cap, block size) apply
         from kernels.decode_attention.ops_mma import MMA_PER_SM
 
-        per_sm = t.pop("per_sm", MMA_PER_SM)
-        t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"),
-                                                       programs_per_sm=per_sm, max_splits=MAX_SPLITS))
-        return t
-    if t.get("fma"):  # the Gluon FMA kernel: only the split count applies
-        from kernels.decode_attention import common as C
-
-        per_sm = t.pop("per_sm", FMA_PER_SM)
+        per_sm = t.pop("per_sm", MMA_PER_SM if t.get("mma") else FMA_PER_SM)
         t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"),
                                                        programs_per_sm=per_sm, max_splits=MAX_SPLITS))
         return t
