@@ -361,7 +361,14 @@ def test_mma_eligibility_follows_the_kernels_limits():
     q, cache, _ = make_inputs(case)
     pages = tuple(cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
     ok = dict(k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128, qg=4)
-    assert not ops_mma.mma_eligible(q, pages, cache["k_res"], **ok)  # a CPU tensor (or the interpreter)
+    from kernels.decode_attention import common
+
+    compiled = q.is_cuda and not common.interpreting() and ops_mma._decode_attention_mma_kernel is not None
+    assert ops_mma.mma_eligible(q, pages, cache["k_res"], **ok) == compiled  # CPU tensors never are
+    for bad in (dict(k_bits=4), dict(v_bits=4), dict(qg=9), dict(group_size=128), dict(page_size=96),
+                dict(residual_length=48)):
+        assert not ops_mma.mma_eligible(q, pages, cache["k_res"], **{**ok, **bad}), bad
+    assert not ops_mma.mma_eligible(q.float(), pages, cache["k_res"], **ok)  # fp32 queries take the FMA kernel
     assert ops_mma._blocks_aligned(pages[4]) and ops_mma._blocks_aligned(pages[5])
     assert not ops_mma._blocks_aligned(pages[4].transpose(2, 3))  # rows must be contiguous
 
