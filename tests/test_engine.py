@@ -386,6 +386,31 @@ def test_decode_ahead_drops_the_extra_token_of_rows_that_stop(tiny, monkeypatch)
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots
 
 
+def test_a_decode_run_cut_short_still_counts_its_steps(tiny, monkeypatch):
+    """An exception in the middle of a run of decode steps (a benchmark's time limit, a fault) leaves the steps
+    that ran, and the batch width, in the stats (before, they were added only when the run ended)."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=3))
+    reqs = requests([9, 31, 14], [25, 18, 30], seed=3)
+    engine.generate(reqs[:1])  # builds the runner
+    decode_next, calls = engine.runner.decode_next, []
+
+    class Stop(Exception):
+        pass
+
+    def limited(tokens):
+        calls.append(tokens.shape[0])
+        if len(calls) > 5:
+            raise Stop
+        return decode_next(tokens)
+
+    monkeypatch.setattr(engine.runner, "decode_next", limited)
+    engine.reset_stats()
+    with pytest.raises(Stop):
+        engine.generate(reqs)
+    stats = engine.stats()
+    assert stats["decode_steps"] == 5 and stats["max_in_flight"] == 3 and stats["decode_s"] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs, pinned copies, async steps")
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
 def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):

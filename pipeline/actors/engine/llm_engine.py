@@ -216,6 +216,9 @@ class LLMEngine:
             self.scheduler.max_running = max(1, len(running) // 2)
             self._out_of_memory(running)
             return
+        except BaseException:
+            self._count_steps(steps, len(running), t0)  # the steps that ran count, whatever cut the run short
+            raise
         self._count_steps(steps, len(running), t0)
 
     def _count_steps(self, steps: int, batch: int, t0: float) -> None:
