@@ -16,7 +16,7 @@ Systems (all in one process, same prompts, same random-weight bf16 model per sha
   engine-bf16    LLMEngine, paged bf16 cache, continuous batching (every prompt submitted in one generate())
   engine-kivi-4  LLMEngine, KIVI 4-bit cache
   engine-kivi-2  LLMEngine, KIVI 2-bit cache
-  <engine system>/<variant>  the same with one engine setting changed (/unfused, /separate, /sync: see
+  <engine system>/<variant>  the same with one setting changed (/unfused, /separate, /sync, /model-scales: see
                  engine_probe.VARIANTS), e.g. --systems engine-kivi-2,engine-kivi-2/separate for an A/B on
                  one machine in one run
 

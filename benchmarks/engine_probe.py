@@ -99,7 +99,9 @@ VARIANTS = {
     "unfused": dict(fused_layers=False),  # transformers' own RMSNorm and rotary ops
     "separate": dict(fused_projections=False),  # q, k, v, gate and up as separate products
     "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
+    "model-scales": dict(),  # KIVI scales and zeros in the model's dtype (KIVI_VARIANTS)
 }
+KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 
 
 def split_system(system: str) -> tuple[str, str | None]:
@@ -119,5 +121,5 @@ def engine_config(system: str, kivi_kw: dict | None = None, **engine_kw):
     name, variant = split_system(system)
     bits = None if name == "engine-bf16" else int(name.rsplit("-", 1)[1])
     engine_kw.update(VARIANTS.get(variant, {}))
-    return EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **(kivi_kw or {})),
-                        **engine_kw)
+    kivi_kw = {**(kivi_kw or {}), **KIVI_VARIANTS.get(variant, {})}
+    return EngineConfig(kivi=None if bits is None else KiviConfig(k_bits=bits, v_bits=bits, **kivi_kw), **engine_kw)

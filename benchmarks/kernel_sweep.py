@@ -92,13 +92,25 @@ def compile_key(impl, bits, Hq, H, t) -> str:
     return json.dumps([impl, bits, Hq, H, sorted(t.items())])
 
 
+DATA_KEYS = ("dtype", "scale_dtype")  # a variant's data (not launcher knobs): torch dtype names
+
+
+def data_dtypes(tuning: dict) -> tuple:
+    """(dtype, scale dtype or None for the product's default) of a variant's data."""
+    sdt = tuning.get("scale_dtype")
+    return getattr(torch, tuning.get("dtype", "bfloat16")), sdt and getattr(torch, sdt)
+
+
 def _warm_one(spec) -> str:
     """Worker: one tiny launch of a variant (fills the Triton cache)."""
     impl, bits, Hq, H, t = spec
+    t = dict(t)
+    dtype, sdt = data_dtypes(t)
+    t = {k: v for k, v in t.items() if k not in DATA_KEYS}
     try:
         from kivi_data import kivi_args, make_kivi_sets
 
-        data = make_kivi_sets(1, 700, Hq, H, D, bits, bits, DTYPE, torch.device("cuda"), 1, seed=1)
+        data = make_kivi_sets(1, 700, Hq, H, D, bits, bits, dtype, torch.device("cuda"), 1, seed=1, scale_dtype=sdt)
         fn = call_fn(impl)
         fn(data["sets"][0]["q"], *kivi_args(data, 0), sm_scale=D**-0.5, k_bits=bits, v_bits=bits, group_size=32,
            residual_length=128, page_size=128, **t)
@@ -132,10 +144,12 @@ def run_shape(shape, variants, l2, results, sdpa=True):
 
     B, L, Hq, H = shape
     dev = torch.device("cuda")
-    for bits in sorted({v[1] for v in variants}):
+    data_key = lambda v: (v[1], str(sorted((k, x) for k, x in v[2].items() if k in DATA_KEYS)))
+    for bits, dkey in sorted({data_key(v) for v in variants}):
+        dtype, sdt = data_dtypes(next(v[2] for v in variants if data_key(v) == (bits, dkey)))
         nbytes = kivi_bytes(B, L, Hq, H, D, bits, bits)
         n_sets = sets_for(nbytes, l2)
-        data = make_kivi_sets(B, L, Hq, H, D, bits, bits, DTYPE, dev, n_sets, seed=11)
+        data = make_kivi_sets(B, L, Hq, H, D, bits, bits, dtype, dev, n_sets, seed=11, scale_dtype=sdt)
         rows = [0, B - 1] if B > 1 else [0]
         s0 = data["sets"][0]
         args0 = kivi_args(data, 0)
@@ -143,11 +157,12 @@ def run_shape(shape, variants, l2, results, sdpa=True):
         ints = dict(sm_scale=D**-0.5, k_bits=bits, v_bits=bits, group_size=32, residual_length=128, page_size=128)
         ref = dref.decode_attention(s0["q"][rows], *ref_args, **ints).float()
         for impl, vbits, tuning in variants:
-            if vbits != bits:
+            if data_key((impl, vbits, tuning)) != (bits, dkey):
                 continue
-            t = resolve(impl, B, L, Hq, H, tuning, bits)
+            t = resolve(impl, B, L, Hq, H, {k: v for k, v in tuning.items() if k not in DATA_KEYS}, bits)
             rec = dict(kernel=f"decode_attention_{impl}", bits=bits, batch=B, context=L, q_heads=Hq, kv_heads=H,
-                       head_dim=D, tuning=t, bytes=nbytes)
+                       head_dim=D, dtype=str(dtype), scale_dtype=str(data["pools"]["k_scale"].dtype), tuning=t,
+                       bytes=nbytes)
             try:
                 fn = call_fn(impl)
                 outs = [torch.empty_like(s["q"]) for s in data["sets"]]

@@ -100,4 +100,10 @@ def plan(name: str):
         out.append(((1, 131072, 32, 8), [("new", 2, dict(mma=False))]
                     + [("new", 2, dict(mma=True, num_splits=s)) for s in (128, 192)]))
         return out
+    if name == "fp16":  # version 15: fp16 scales fold in by packed HMUL2 (bf16 and fp16 data), against bf16
+        both = [("new", 2, dict(mma=True, scale_dtype="bfloat16")), ("new", 2, dict(mma=True)),  # scales (fp32 math)
+                ("new", 2, dict(mma=True, dtype="float16"))]
+        return [((B, L, Hq, H), both) for B, L, Hq, H in [
+            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (1, 131072, 32, 32),
+            (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8), (1, 131072, 32, 8)]]
     raise SystemExit(f"unknown plan {name}")

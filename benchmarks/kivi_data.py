@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from kivi.config import KiviConfig
+
 G, R, P = 32, 128, 128
 
 
@@ -37,8 +39,10 @@ def table_width(pages: int) -> int:
     return max(16, -(-pages // 16) * 16)
 
 
-def make_kivi_sets(B, L, Hq, H, D, kb, vb, dtype, device, n_sets: int, seed: int = 0) -> dict:
-    """Pools shared by n_sets sets; returns dict(pools=[8 tensors], sets=[dict(q, block_table, slots, seq_lens)])."""
+def make_kivi_sets(B, L, Hq, H, D, kb, vb, dtype, device, n_sets: int, seed: int = 0, scale_dtype=None) -> dict:
+    """Pools shared by n_sets sets; returns dict(pools=[8 tensors], sets=[dict(q, block_table, slots, seq_lens)]).
+    Scales and zeros in scale_dtype, by default what KiviConfig's default stores for a `dtype` model."""
+    sdt = scale_dtype or KiviConfig().scale_dtype_for(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
     nq = quantized_len(L)
@@ -55,11 +59,11 @@ def make_kivi_sets(B, L, Hq, H, D, kb, vb, dtype, device, n_sets: int, seed: int
 
     pools = dict(
         k_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P * kb // 32, D), generator=gen, dtype=torch.int32, **dev),
-        k_scale=(rand(N, H, P // G, D) * 0.5 + 0.2).to(dtype),
-        k_zero=randn(N, H, P // G, D).to(dtype),
+        k_scale=(rand(N, H, P // G, D) * 0.5 + 0.2).to(sdt),
+        k_zero=randn(N, H, P // G, D).to(sdt),
         v_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P, D * vb // 32), generator=gen, dtype=torch.int32, **dev),
-        v_scale=(rand(N, H, P, D // G) * 0.5 + 0.2).to(dtype),
-        v_zero=randn(N, H, P, D // G).to(dtype),
+        v_scale=(rand(N, H, P, D // G) * 0.5 + 0.2).to(sdt),
+        v_zero=randn(N, H, P, D // G).to(sdt),
         k_res=(randn(S, H, R, D) * 2).to(dtype),
         v_res=randn(S, H, R, D).to(dtype),
     )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 SUPPORTED_BITS = (2, 4)
 BACKENDS = ("triton", "reference")
+SCALE_DTYPES = ("float16", "model")
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,10 @@ class KiviConfig:
                       whole group of G tokens at a time.
     page_size:        tokens per page of the packed store (a multiple of group_size).
     backend:          "triton" (GPU kernels, or the Triton interpreter) or "reference" (PyTorch).
+    scale_dtype:      dtype of the scales and zero points of a 16-bit model's cache: "float16" (three more
+                      mantissa bits than bf16, and the tensor-core decode kernel folds them in with packed
+                      fp16 products; keys and values must stay within fp16's +-65,504) or "model" (the
+                      model's dtype). fp32 models keep fp32 scales either way.
     """
 
     k_bits: int = 2
@@ -28,6 +35,7 @@ class KiviConfig:
     residual_length: int = 128
     page_size: int = 128
     backend: str = "triton"
+    scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         for name in ("k_bits", "v_bits"):
@@ -53,6 +61,14 @@ class KiviConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+
+    def scale_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the scales and zero points in a cache whose residual tokens are `dtype`."""
+        if self.scale_dtype == "float16" and dtype in (torch.float16, torch.bfloat16):
+            return torch.float16
+        return dtype
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise ValueError unless head_dim splits into whole value groups and whole code words."""

@@ -50,9 +50,11 @@ class QuantizedStorage:
         }
 
     def allocate_pages(self, num_pages, num_heads, head_dim, dtype, device) -> dict[str, torch.Tensor]:
+        scale_dtype = self.kivi.scale_dtype_for(dtype)
         out = {}
         for name, (shape, is_codes) in self.page_shapes(num_heads, head_dim).items():
-            out[name] = torch.zeros((num_pages, *shape), dtype=torch.int32 if is_codes else dtype, device=device)
+            out[name] = torch.zeros((num_pages, *shape), dtype=torch.int32 if is_codes else scale_dtype,
+                                    device=device)
         return out
 
     def allocate_slots(self, num_slots, num_heads, head_dim, dtype, device) -> dict[str, torch.Tensor]:
@@ -62,7 +64,7 @@ class QuantizedStorage:
 
     def page_bytes(self, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one page across all pool tensors of one layer."""
-        item = torch.empty((), dtype=dtype).element_size()
+        item = torch.empty((), dtype=self.kivi.scale_dtype_for(dtype)).element_size()
         total = 0
         for shape, is_codes in self.page_shapes(num_heads, head_dim).values():
             n = 1

@@ -50,6 +50,7 @@ class Case:
     block_n: int | None = None
     use_dot: bool | None = None
     extra: tuple = ()  # more launcher tuning: (name, value) pairs
+    scale_dtype: torch.dtype | None = None  # scales and zero points (None: dtype; KiviConfig.scale_dtype)
 
     @property
     def id(self) -> str:
@@ -60,6 +61,7 @@ class Case:
         extra += "" if self.block_n is None else f"-N{self.block_n}"
         extra += "" if self.use_dot is None else ("-dot" if self.use_dot else "-bcast")
         extra += "".join(f"-{k}{int(v)}" for k, v in self.extra)
+        extra += "" if self.scale_dtype in (None, self.dtype) else "-s16"
         dt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype]
         return (f"B{len(self.lens)}-{t}-Hq{self.q_heads}-H{self.kv_heads}-D{self.head_dim}"
                 f"-k{self.k_bits}v{self.v_bits}{extra}-{dt}")
@@ -73,6 +75,7 @@ def build_cache(case: Case, gen: torch.Generator):
     """Quantized KIVI cache of the rows of `case` + the dequantized keys/values of each row in token order."""
     G, R, P, D, H = case.group_size, case.residual, case.page_size, case.head_dim, case.kv_heads
     kb, vb, dt = case.k_bits, case.v_bits, case.dtype
+    sdt = case.scale_dtype or dt
     B = len(case.lens)
     S = B + 2
     nqs = [G * math.ceil(max(0, L - R) / G) for L in case.lens]
@@ -81,11 +84,11 @@ def build_cache(case: Case, gen: torch.Generator):
     max_pages = max(npages) + 2
     cache = dict(
         k_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P * kb // 32, D), generator=gen, dtype=torch.int32),
-        k_scale=torch.full((N, H, P // G, D), math.nan, dtype=dt),
-        k_zero=torch.full((N, H, P // G, D), math.nan, dtype=dt),
+        k_scale=torch.full((N, H, P // G, D), math.nan, dtype=sdt),
+        k_zero=torch.full((N, H, P // G, D), math.nan, dtype=sdt),
         v_codes=torch.randint(-2**31, 2**31 - 1, (N, H, P, D * vb // 32), generator=gen, dtype=torch.int32),
-        v_scale=torch.full((N, H, P, D // G), math.nan, dtype=dt),
-        v_zero=torch.full((N, H, P, D // G), math.nan, dtype=dt),
+        v_scale=torch.full((N, H, P, D // G), math.nan, dtype=sdt),
+        v_zero=torch.full((N, H, P, D // G), math.nan, dtype=sdt),
         k_res=torch.full((S, H, R, D), math.nan, dtype=dt),
         v_res=torch.full((S, H, R, D), math.nan, dtype=dt),
     )
@@ -104,8 +107,8 @@ def build_cache(case: Case, gen: torch.Generator):
             pad = torch.zeros(H, n_p * P, D, dtype=dt)
             pk, pv = pad.clone(), pad.clone()
             pk[:, :nq], pv[:, :nq] = keys[:, :nq], values[:, :nq]
-            kc, ks, kz = packing.quantize_keys(pk.view(H, n_p, P, D), kb, G)
-            vc, vs, vz = packing.quantize_values(pv.view(H, n_p, P, D), vb, G)
+            kc, ks, kz = packing.quantize_keys(pk.view(H, n_p, P, D), kb, G, dtype=sdt)
+            vc, vs, vz = packing.quantize_values(pv.view(H, n_p, P, D), vb, G, dtype=sdt)
             deq_k = packing.dequantize_keys(kc, ks, kz, kb, G).reshape(H, n_p * P, D)[:, :nq]
             deq_v = packing.dequantize_values(vc, vs, vz, vb, G).reshape(H, n_p * P, D)[:, :nq]
             # poison the groups / tokens of the last page that lie past nq
@@ -178,6 +181,7 @@ REF_CASES = [
     Case((500,), 3, 3, 128, 2, 4, group_size=64, residual=192, page_size=64),
     Case((129, 1000), 8, 2, 64, 2, 2, dtype=torch.float16),
     Case((1000, 5), 4, 4, 64, 4, 2, dtype=torch.bfloat16),
+    Case((700, 160), 8, 2, 64, 2, 4, dtype=torch.bfloat16, scale_dtype=torch.float16),
 ]
 
 
@@ -208,6 +212,7 @@ KERNEL_CASES = [
     Case((1000,), 4, 1, 64, 2, 4, use_dot=True, dtype=torch.float16, num_splits=2),
     Case((129, 0, 31), 8, 2, 64, 4, 4, dtype=torch.float16),
     Case((500, 64), 2, 1, 64, 2, 2, dtype=torch.bfloat16, num_splits=2),
+    Case((600, 1, 200), 4, 2, 128, 2, 4, dtype=torch.bfloat16, scale_dtype=torch.float16, num_splits=2),
     Case((500, 150), 4, 2, 128, 2, 4, group_size=64, residual=192, page_size=128, dtype=torch.float16),
     Case((333, 17), 2, 2, 64, 4, 2, group_size=16, residual=48, page_size=64, num_splits=2),
     # launcher tuning knobs (the H200 table picks among these)
@@ -240,6 +245,7 @@ FMA_CASES = [
     Case((500, 150), 2, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
     Case((333, 290), 1, 1, 128, 2, 2, group_size=16, residual=64, page_size=256, num_splits=7),
     Case((2000, 1), 2, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=40),
+    Case((900, 65, 0), 2, 2, 128, 2, 2, dtype=torch.bfloat16, scale_dtype=torch.float16, num_splits=3),
     Case((1000, 161, 0, 64, 65), 3, 3, 128, 2, 2, num_splits=3, block_n=64),
     Case((700, 33), 2, 2, 128, 2, 2, group_size=16, residual=64, dtype=torch.float16, block_n=64,
          extra=(("maxnreg", 128),)),
@@ -301,6 +307,11 @@ MMA_CASES = [
     Case((2000, 1), 6, 2, 128, 2, 2, dtype=torch.float16, num_splits=40),
     Case((20000, 3000), 4, 1, 128, 2, 2, dtype=torch.bfloat16, num_splits=1),
     Case((1000, 161, 0), 8, 8, 128, 2, 2, dtype=torch.float16),
+    # bf16 queries and ring with fp16 scales and zero points (KiviConfig.scale_dtype="float16")
+    Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, scale_dtype=torch.float16,
+         num_splits=3),
+    Case((900, 77, 5), 4, 4, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16,
+         scale_dtype=torch.float16),
 ]
 
 

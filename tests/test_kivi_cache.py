@@ -181,11 +181,27 @@ def test_cache_is_under_22_percent_of_bf16_at_4096_tokens():
 
 @pytest.mark.parametrize("bad", [dict(k_bits=3), dict(v_bits=8), dict(group_size=24), dict(group_size=48),
                                  dict(residual_length=100),
-                                 dict(page_size=48), dict(backend="cuda")])
+                                 dict(page_size=48), dict(backend="cuda"), dict(scale_dtype="bfloat16")])
 def test_config_rejects_bad_values(bad):
     key = next(iter(bad))
     with pytest.raises(ValueError, match=key):
         kivi.KiviConfig(**bad)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", ["float16", "model"])
+def test_scales_are_stored_in_the_configured_dtype(model_dtype, scale_dtype):
+    """16-bit models keep scales and zero points in fp16 by default ("model": their own dtype); fp32 models in
+    fp32 either way. The ring stays in the model's dtype, and the byte count follows the tensors."""
+    from kivi.storage import QuantizedStorage
+
+    cfg = kivi.KiviConfig(scale_dtype=scale_dtype)
+    storage = QuantizedStorage(cfg, ops=None)
+    pages = storage.allocate_pages(3, 2, 64, model_dtype, "cpu")
+    want = torch.float16 if scale_dtype == "float16" and model_dtype != torch.float32 else model_dtype
+    assert {pages[n].dtype for n in ("k_scale", "k_zero", "v_scale", "v_zero")} == {want}
+    assert storage.allocate_slots(1, 2, 64, model_dtype, "cpu")["k_res"].dtype == model_dtype
+    assert storage.page_bytes(2, 64, model_dtype) * 3 == sum(t.numel() * t.element_size() for t in pages.values())
 
 
 def test_unsupported_models_raise_naming_the_type():

@@ -53,14 +53,16 @@ def seeded(request) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-def make_pools(N, S, H, D, cfg, dtype):
-    """Poisoned pools: NaN for float tensors, -1 for int32 codes."""
+def make_pools(N, S, H, D, cfg, dtype, scale_dtype=None):
+    """Poisoned pools: NaN for float tensors, -1 for int32 codes; scales and zeros in scale_dtype (default
+    dtype)."""
     kb, vb, G, R, P = (cfg[k] for k in ("k_bits", "v_bits", "group_size", "residual_length", "page_size"))
     shapes = dict(k_codes=(N, H, P * kb // 32, D), k_scale=(N, H, P // G, D), k_zero=(N, H, P // G, D),
                   v_codes=(N, H, P, D * vb // 32), v_scale=(N, H, P, D // G), v_zero=(N, H, P, D // G),
                   k_res=(S, H, R, D), v_res=(S, H, R, D))
-    return {n: torch.full(s, -1 if "codes" in n else math.nan, device=DEVICE,
-                          dtype=torch.int32 if "codes" in n else dtype) for n, s in shapes.items()}
+    kind = lambda n: torch.int32 if "codes" in n else dtype if "res" in n else scale_dtype or dtype
+    return {n: torch.full(s, -1 if "codes" in n else math.nan, device=DEVICE, dtype=kind(n))
+            for n, s in shapes.items()}
 
 
 def make_batch(gen, B, H, T, D, lengths, dtype, num_pages):
@@ -157,6 +159,22 @@ def test_reference_prefill_matches_oracle(request, case, dtype):
     got, want = make_pools((B + 2) * 20, B + 2, H, D, cfg, dtype), make_pools((B + 2) * 20, B + 2, H, D, cfg, dtype)
     run_prefill(reference, batch, got, cfg)
     oracle_prefill(*batch, want, cfg)
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bf16_keys_with_fp16_scales(request, backend):
+    """KiviConfig.scale_dtype="float16" on a bf16 model: both backends store what the oracle stores (scales
+    and zeros rounded to fp16, the ring in bf16). The interpreter has no bf16, so Triton runs on a GPU only."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("bf16 under the Triton interpreter")
+    B, H, lengths, T, D = 3, 2, [300, 1, 160], 301, 128
+    cfg = cfg_of(2, 4, 32, 128, 64)
+    batch = make_batch(seeded(request), B, H, T, D, lengths, torch.bfloat16, num_pages=(B + 2) * 12)
+    got, want = (make_pools((B + 2) * 12, B + 2, H, D, cfg, torch.bfloat16, torch.float16) for _ in range(2))
+    run_prefill(reference if backend == "reference" else ops, batch, got, cfg)
+    oracle_prefill(*batch, want, cfg)
+    assert got["k_scale"].dtype == torch.float16 and got["k_res"].dtype == torch.bfloat16
     assert_same(got, want)
 
 

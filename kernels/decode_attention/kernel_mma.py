@@ -44,6 +44,7 @@ from .kernel_mma_frag import (
     _ROWS,
     _S3,
     _S3_RING,
+    _hmul2,
     _key_codes,
     _key_scale_halves,
     _key_zeros,
@@ -58,12 +59,26 @@ from .kernel_mma_stage import _allocate_stages, _issue_block
 
 
 @gluon.jit
+def _query_operand(q_row, stride_q_h, QG: gl.constexpr, dtype: gl.constexpr):
+    """The raw query of the QG heads as an A operand [16, 128] in `dtype` (rows from QG on are zero)."""
+    offs_ha = gl.arange(0, 16, layout=gl.SliceLayout(1, _OP_A))
+    offs_ca = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(0, _OP_A)))
+    q_a = gl.load(q_row + offs_ha[:, None] * stride_q_h + offs_ca[None, :], mask=(offs_ha < QG)[:, None], other=0.0)
+    return q_a.to(dtype)
+
+
+@gluon.jit
 def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
     """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of a stage's 64 tokens (token 8 j + nn; n_valid of them are
     packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
     # stage 1: key scales of each 32-token half folded into the query: the A operand [16 (half, h), 128]
     ks0, ks1 = _key_scale_halves(ks)
-    a = gl.join((q8 * ks0[None, :]).to(gl.float16), (q8 * ks1[None, :]).to(gl.float16))
+    if q8.dtype == gl.float16:  # fp16 scales: packed fp16 products (q8 is fp16 then)
+        q_b, ks0 = gl.broadcast(q8, ks0[None, :])
+        q_b, ks1 = gl.broadcast(q8, ks1[None, :])
+        a = gl.join(_hmul2(q_b, ks0), _hmul2(q_b, ks1))
+    else:
+        a = gl.join((q8 * ks0[None, :]).to(gl.float16), (q8 * ks1[None, :]).to(gl.float16))
     a = gl.convert_layout(a.permute(2, 0, 1).reshape([16, 128]), _OP_A)
     raw = mma_v2(a, _key_codes(kw), gl.zeros([16, 64], gl.float32, _MMA))
     # stage 2: the zeros' share, sum_c q k_zero, per head and half (column jj of the product: half jj // 4)
@@ -101,6 +116,8 @@ def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.cons
     8 j + nn."""
     alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
     p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
+    if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
+        p_t = p_t.to(gl.float16)
     vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
     acc0 = _value_chunk(p_t, vs0, vw.index(4 * st), acc0 * alpha_c)
     acc1 = _value_chunk(p_t, vs1, vw.index(4 * st + 1), acc1 * alpha_c)
@@ -113,8 +130,14 @@ def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.cons
 
 @gluon.jit
 def _value_chunk(p_t, vs, vw, acc):
-    """acc [32, 8] + codes of one chunk (vw its stage's words) x (p v_scale)^T; vs [8 nn, 8 j] its scales."""
-    p_g = gl.convert_layout((p_t * vs[:, :, None]).to(gl.float16).reshape([64, 8]), _OP_B, assert_trivial=True)
+    """acc [32, 8] + codes of one chunk (vw its stage's words) x (p v_scale)^T; vs [8 nn, 8 j] its scales (p_t
+    fp16 with fp16 scales, else fp32)."""
+    if p_t.dtype == gl.float16:
+        p_b, vs_b = gl.broadcast(p_t, vs[:, :, None])
+        p_g = _hmul2(p_b, vs_b)
+    else:
+        p_g = (p_t * vs[:, :, None]).to(gl.float16)
+    p_g = gl.convert_layout(p_g.reshape([64, 8]), _OP_B, assert_trivial=True)
     return mma_v2(_value_codes(vw), p_g, acc)
 
 
@@ -171,9 +194,9 @@ def _decode_attention_mma_kernel(
     offs_c8 = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(0, _Q8)))
     q8 = gl.load(q_row + offs_h8[:, None] * stride_q_h + offs_c8[None, :], mask=(offs_h8 < QG)[:, None],
                  other=0.0).to(gl.float32) * qk_scale
-    offs_ha = gl.arange(0, 16, layout=gl.SliceLayout(1, _OP_A))
-    offs_ca = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(0, _OP_A)))
-    q_a = gl.load(q_row + offs_ha[:, None] * stride_q_h + offs_ca[None, :], mask=(offs_ha < QG)[:, None], other=0.0)
+    if ks_ptr.dtype.element_ty == gl.float16:
+        q8 = q8.to(gl.float16)  # the key scales fold in by packed fp16 products
+    q_a = _query_operand(q_row, stride_q_h, QG, kz_ptr.dtype.element_ty)  # for the key zeros' product
     m_i = gl.full([8], float("-inf"), gl.float32, _ROWS)
     l_i = gl.full([8], 0.0, gl.float32, _ROWS)
     acc0 = gl.zeros([32, 8], gl.float32, _MMA)
@@ -208,6 +231,8 @@ def _decode_attention_mma_kernel(
     r2 = r0
     r3 = r0
     res = slot * stride_res_s + h * stride_res_h
+    if kr_ptr.dtype.element_ty != kz_ptr.dtype.element_ty:  # fp16 scales, bf16 ring
+        q_a = _query_operand(q_row, stride_q_h, QG, kr_ptr.dtype.element_ty)
     has_ring = (lo <= n_packed) & (n_packed < hi)
     for start in range(0, gl.where(has_ring, n_ring, 0), 32):
         m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res,

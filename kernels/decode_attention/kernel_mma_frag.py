@@ -97,6 +97,13 @@ def _prmt(x, y, sel):
 
 
 @gluon.jit
+def _hmul2(x, y):
+    """x * y of fp16 tensors, two elements per instruction (consecutive registers pair up)."""
+    return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=gl.float16,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
 def _codes_f16(x, mask):
     """fp16 pairs (code (lo) and code (hi) 4^w 2^-24) of x & mask; x, mask are int32 tensors whose pairs of
     consecutive registers are equal (the operand's k pairs)."""
@@ -135,9 +142,11 @@ def _key_codes(kw):
 
 @gluon.jit
 def _key_scale_halves(ks):
-    """Key scales of the step's two 32-token halves from a stage's ks [2, 128], [128 kappa] fp32 each in the
-    query's order."""
-    v = ks.load(_RD_KS).to(gl.float32)  # [2 half, 128]
+    """Key scales of the step's two 32-token halves from a stage's ks [2, 128], [128 kappa] each in the query's
+    order (fp16 scales stay fp16, others become fp32)."""
+    v = ks.load(_RD_KS)  # [2 half, 128]
+    if v.dtype != gl.float16:
+        v = v.to(gl.float32)
     v0, v1 = gl.split(_to_kappa(v, 2))  # [128 kappa] of each half
     return (gl.convert_layout(v0, gl.SliceLayout(0, _Q8), assert_trivial=True),
             gl.convert_layout(v1, gl.SliceLayout(0, _Q8), assert_trivial=True))
@@ -178,7 +187,9 @@ def _value_scale_chunks(vs, NG: gl.constexpr):
     """Scales (or zeros) of tokens 8 j + nn for the four 32-channel chunks from a stage's vs [4, 16 NG],
     [8 nn, 8 j] fp32 each in the probabilities' layout."""
     RD: gl.constexpr = _RD_VS1 if NG == 1 else _RD_VS2 if NG == 2 else _RD_VS4
-    v = vs.load(RD).to(gl.float32)  # [4 a, 16 NG]: token 16 a + 8 b + nn, group g
+    v = vs.load(RD)  # [4 a, 16 NG]: token 16 a + 8 b + nn, group g (fp16 stays fp16, others become fp32)
+    if v.dtype != gl.float16:
+        v = v.to(gl.float32)
     v = v.reshape([4, 2, 8, NG]).permute(2, 0, 1, 3).reshape([8, 8, NG])  # [nn, j = 2 a + b, g]
     if NG == 1:
         v0 = v.reshape([8, 8])

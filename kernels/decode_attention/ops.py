@@ -172,7 +172,7 @@ def decode_attention(
         return launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                            seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
                           FMA_BLOCK_N if block_n is None else block_n, maxnreg, cp_async, magic)
-    dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
+    dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype, k_scale.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
     eligible = swap_eligible(k_bits, v_bits, head_dim, page_size, use_dot)
@@ -240,12 +240,14 @@ def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         raise TypeError(f"{_OP}: k_res has dtype {cache_dtype}, expected fp16, bf16 or fp32")
     scale_shape = (n_pages, kv_heads, page_size // group_size, head_dim)
     vscale_shape = (n_pages, kv_heads, page_size, head_dim // group_size)
-    C.check_tensor(_OP, "k_scale", k_scale, scale_shape, (cache_dtype,))
-    C.check_tensor(_OP, "k_zero", k_zero, scale_shape, (cache_dtype,))
+    # scales and zero points: the cache's dtype, or fp16 (KiviConfig.scale_dtype), all four the same
+    scale_dtype = k_scale.dtype if getattr(k_scale, "dtype", None) in (cache_dtype, torch.float16) else cache_dtype
+    C.check_tensor(_OP, "k_scale", k_scale, scale_shape, (scale_dtype,))
+    C.check_tensor(_OP, "k_zero", k_zero, scale_shape, (scale_dtype,))
     C.check_tensor(_OP, "v_codes", v_codes, (n_pages, kv_heads, page_size, head_dim * v_bits // 32),
                    (torch.int32,))
-    C.check_tensor(_OP, "v_scale", v_scale, vscale_shape, (cache_dtype,))
-    C.check_tensor(_OP, "v_zero", v_zero, vscale_shape, (cache_dtype,))
+    C.check_tensor(_OP, "v_scale", v_scale, vscale_shape, (scale_dtype,))
+    C.check_tensor(_OP, "v_zero", v_zero, vscale_shape, (scale_dtype,))
     C.check_tensor(_OP, "k_res", k_res, (-1, kv_heads, residual_length, head_dim), (cache_dtype,))
     C.check_tensor(_OP, "v_res", v_res, tuple(k_res.shape), (cache_dtype,))
     if k_res.stride() != v_res.stride() or k_scale.stride() != k_zero.stride() or (

@@ -31,14 +31,15 @@ def mma_eligible(q: torch.Tensor, pages: tuple[torch.Tensor, ...], k_res: torch.
                  v_bits: int, group_size: int, residual_length: int, page_size: int, qg: int) -> bool:
     """Whether kernel_mma.py can run this call: compiled (not the interpreter), 2-bit keys and values, 1 to 8
     query heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32 or 64 tokens (at 128 the
-    2-byte value-scale rows did not compile into cp.async pieces), one 16-bit dtype for the query, the scales
-    and the ring, and page tensors (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) that cp.async can copy
-    in 16-byte pieces."""
+    2-byte value-scale rows did not compile into cp.async pieces), one 16-bit dtype for the query and the ring
+    (the scales in it or in fp16), and page tensors (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) that
+    cp.async can copy in 16-byte pieces."""
     k_scale = pages[1]
     return (_decode_attention_mma_kernel is not None and not C.interpreting() and q.is_cuda
             and k_bits == v_bits == 2 and 1 <= qg <= 8 and q.shape[-1] == 128 and page_size % 64 == 0
             and group_size in (32, 64) and residual_length % 32 == 0
-            and q.dtype in (torch.float16, torch.bfloat16) and k_scale.dtype == k_res.dtype == q.dtype
+            and q.dtype in (torch.float16, torch.bfloat16) and k_res.dtype == q.dtype
+            and k_scale.dtype in (q.dtype, torch.float16)
             and cp_async_aligned(*pages[:4]) and all(_blocks_aligned(t) for t in pages[4:]))
 
 

@@ -66,13 +66,16 @@ def check_store_args(key, value, rows, slots, block_table, k_codes, k_scale, k_z
     if not isinstance(k_codes, torch.Tensor) or k_codes.dim() != 4:
         raise ValueError(f"k_codes must be [N, H, P*kb/32, D], got {getattr(k_codes, 'shape', k_codes)}")
     N, S = k_codes.shape[0], block_table.shape[0]
+    # scales and zero points: the key's dtype, or fp16 (KiviConfig.scale_dtype)
+    sdt = getattr(k_scale, "dtype", None)
+    sdt = sdt if sdt in (dtype, torch.float16) else dtype
     pools = (
         ("k_codes", k_codes, (N, H, P * k_bits // 32, D), torch.int32),
-        ("k_scale", k_scale, (N, H, P // G, D), dtype),
-        ("k_zero", k_zero, (N, H, P // G, D), dtype),
+        ("k_scale", k_scale, (N, H, P // G, D), sdt),
+        ("k_zero", k_zero, (N, H, P // G, D), sdt),
         ("v_codes", v_codes, (N, H, P, D * v_bits // 32), torch.int32),
-        ("v_scale", v_scale, (N, H, P, D // G), dtype),
-        ("v_zero", v_zero, (N, H, P, D // G), dtype),
+        ("v_scale", v_scale, (N, H, P, D // G), sdt),
+        ("v_zero", v_zero, (N, H, P, D // G), sdt),
         ("k_res", k_res, (S, H, R, D), dtype),
         ("v_res", v_res, (S, H, R, D), dtype),
     )
