@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from kivi.config import SUPPORTED_BITS, KiviConfig
+from kivi.config import SCALE_DTYPES, SUPPORTED_BITS, KiviConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KIVI_BACKENDS = ("auto", "triton", "reference")
@@ -42,6 +42,7 @@ class JobConfig:
     kv_bits: int = 2
     group_size: int = 32
     residual_length: int = 128
+    kv_scale_dtype: str = "float16"  # scales and zero points of a 16-bit model's cache: float16 or model
     kivi_backend: str = "auto"  # auto: triton on a GPU, the PyTorch reference on the CPU
     # engine and actors
     actors: int | None = None  # None: the cluster's GPUs / gpus_per_actor, or 1 CPU actor without GPUs
@@ -62,6 +63,8 @@ class JobConfig:
             raise ValueError(f"output must be a non-empty path, got {self.output!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"kv_scale_dtype must be one of {SCALE_DTYPES}, got {self.kv_scale_dtype!r}")
         if self.kivi_backend not in KIVI_BACKENDS:
             raise ValueError(f"kivi_backend must be one of {KIVI_BACKENDS}, got {self.kivi_backend!r}")
         if self.kv_bits not in SUPPORTED_BITS:
@@ -86,7 +89,7 @@ class JobConfig:
             raise ValueError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
         if self.prompt_template is not None:
             template_fields(self.prompt_template)
-        self.kivi_config()  # KiviConfig checks group_size and residual_length
+        self.kivi_config()  # KiviConfig checks group_size, residual_length and kv_scale_dtype
         self.sampling_defaults()  # SamplingParams checks the sampling values
 
     def kivi_config(self, backend: str = "triton") -> KiviConfig | None:
@@ -101,6 +104,7 @@ class JobConfig:
             group_size=self.group_size,
             residual_length=self.residual_length,
             page_size=page_size,
+            scale_dtype=self.kv_scale_dtype,
             backend=backend,
         )
 

@@ -18,7 +18,7 @@ from pipeline.io import InputPlan
 SETTINGS_KEY = b"kivi_ray.settings"
 # the job's fields that decide output rows (the rest, like actors or batch sizes, only decide speed)
 ROW_FIELDS = ("split", "prompt_template", "chat", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-              "ignore_eos", "kivi", "kv_bits", "group_size", "residual_length", "max_model_len")
+              "ignore_eos", "kivi", "kv_bits", "group_size", "residual_length", "kv_scale_dtype", "max_model_len")
 
 
 def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
     (folder, file) it loads, dtype "auto" as bfloat16, cache fields only with the KIVI cache."""
     out = {k: v for k, v in job.to_dict().items() if k in ROW_FIELDS}
     if not job.kivi:
-        out.update(kv_bits=None, group_size=None, residual_length=None)
+        out.update(kv_bits=None, group_size=None, residual_length=None, kv_scale_dtype=None)
     model, gguf_file = model_location(job) if job.model is not None else (None, None)  # None: the shipped default
     out.update(input=_where(job.input), model=_where(model), gguf_file=gguf_file,
                dtype=job.model_dtype(),

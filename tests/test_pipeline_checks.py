@@ -88,7 +88,7 @@ def complete_output(tmp_path, job: JobConfig, name: str = "a") -> None:
 
 @pytest.mark.parametrize("change", [
     {"max_new_tokens": 3}, {"temperature": 0.7}, {"stop": ["\n"]}, {"kv_bits": 4}, {"kivi": False}, {"seed": 1},
-    {"dtype": "float32"},
+    {"dtype": "float32"}, {"kv_scale_dtype": "model"},
 ])
 def test_resume_with_other_settings_is_refused(tmp_path, tiny_model, change):
     write(tmp_path / "in/a.parquet", prompt=["p"])

@@ -103,6 +103,7 @@ def test_ignore_eos_from_file_flag_and_row(tmp_path):
         ({"output": "o", "kv_bits": 3}, "kv_bits"),
         ({"output": "o", "group_size": 24}, "group_size"),
         ({"output": "o", "residual_length": 40}, "residual_length"),
+        ({"output": "o", "kv_scale_dtype": "bfloat16"}, "kv_scale_dtype"),
         ({"output": "o", "temperature": -1.0}, "temperature"),
         ({"output": "o", "top_p": 0.0}, "top_p"),
         ({"output": "o", "batch_size": 0}, "batch_size"),
