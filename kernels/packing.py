@@ -2,12 +2,12 @@
 
 Quantization of one group of values x (G keys of one channel, or G channels of one token):
     mn, mx = min(x), max(x)                              # fp32
-    scale  = ((mx - mn) / (2**bits - 1)).to(dtype)       # stored in the cache dtype
-    zero   = mn.to(dtype)                                # stored in the cache dtype
+    scale  = ((mx - mn) / (2**bits - 1)).to(dtype)       # stored in the scale dtype
+    zero   = mn.to(dtype)                                # stored in the scale dtype
     code   = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2**bits - 1)   # 0 where scale == 0
     x_hat  = code * scale + zero
 Codes are computed from the *stored* scale and zero, so x_hat is within half a step of x
-(up to the rounding of zero and scale to the cache dtype).
+(up to the rounding of zero and scale to the scale dtype: KiviConfig.scale_dtype).
 
 Packing: 32 // bits consecutive codes along the packed dimension share one int32 word; code i of
 a word sits in bits [i * bits, (i + 1) * bits).

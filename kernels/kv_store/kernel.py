@@ -2,7 +2,7 @@
 
 Only @triton.jit code lives here; shapes, dtypes and strides are checked by ops.py. All math is fp32
 (the interpreter gets bf16 arithmetic wrong, so tiles are cast right after loading). Codes follow
-kernels/packing.py bit for bit: scale and zero are rounded to the cache dtype first, codes are computed
+kernels/packing.py bit for bit: scale and zero are rounded to the scale dtype first, codes are computed
 from the stored values with IEEE division (div_rn), and the launcher disables FMA contraction so
 (x - zero) * inv + 0.5 rounds like the PyTorch reference.
 """
@@ -13,7 +13,7 @@ import triton.language as tl
 
 @triton.jit
 def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
-    """fp32 min/max -> (scale, zero) in the cache dtype and inv = 1/scale (0 where scale == 0), fp32."""
+    """fp32 min/max -> (scale, zero) in the scale dtype and inv = 1/scale (0 where scale == 0), fp32."""
     scale = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(CACHE_DTYPE)
     zero = mn.to(CACHE_DTYPE)
     scale_f = scale.to(tl.float32)
