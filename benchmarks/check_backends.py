@@ -18,9 +18,10 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, as the other scripts do
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # as the others
 
 import torch  # noqa: E402
+from common import write_json  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig  # noqa: E402
 
 import kivi  # noqa: E402
@@ -144,20 +145,20 @@ def main() -> None:
     header = dict(date=time.strftime("%Y-%m-%d"), gpu=gpu, torch=torch.__version__,
                   transformers=__import__("transformers").__version__, triton=__import__("triton").__version__)
     records = []
+
+    def keep(rec: dict) -> None:  # the file is rewritten after every record: a run cut short keeps what finished
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        write_json(args.out, dict(header=header, records=records))
+
     for shape in args.shapes.split(","):
         model = build(shape)
         for bits in (2, 4):
             lengths = [int(n) for n in args.lengths.split(",")]
-            rec = dict(shape=shape, check="backends", **compare_backends(model, lengths, args.steps, bits))
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-        rec = dict(shape=shape, check="engine_vs_generate", **compare_engine(model, [300, 150, 520, 64], 40, 2))
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
+            keep(dict(shape=shape, check="backends", **compare_backends(model, lengths, args.steps, bits)))
+        keep(dict(shape=shape, check="engine_vs_generate", **compare_engine(model, [300, 150, 520, 64], 40, 2)))
         del model
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(dict(header=header, records=records), f, indent=1)
     print(json.dumps(dict(header=header, records=records)))
 
 
