@@ -7,7 +7,8 @@ Quantization of one group of values x (G keys of one channel, or G channels of o
     code   = clamp(floor((x - zero) * (1 / scale) + 0.5), 0, 2**bits - 1)   # 0 where scale == 0
     x_hat  = code * scale + zero
 Codes are computed from the *stored* scale and zero, so x_hat is within half a step of x
-(up to the rounding of zero and scale to the scale dtype: KiviConfig.scale_dtype).
+(up to the rounding of zero and scale to the scale dtype: KiviConfig.scale_dtype). fp16 scales saturate:
+a group's min and max clamp to +-65,504 first, so values past it (a bf16 cache's outliers) code to the ends.
 
 Packing: 32 // bits consecutive codes along the packed dimension share one int32 word; code i of
 a word sits in bits [i * bits, (i + 1) * bits).
@@ -22,6 +23,9 @@ def codes_per_word(bits: int) -> int:
     if bits not in (2, 4):
         raise ValueError(f"bits must be 2 or 4, got {bits!r}")
     return 32 // bits
+
+
+FP16_MAX = 65504.0  # scales and zeros stored in fp16 saturate here (a bf16 cache's keys may go further)
 
 
 def quantize_groups(
@@ -41,6 +45,8 @@ def quantize_groups(
     xf = x.float().unflatten(dim, (n // group_size, group_size))  # [..., N/G, G, ...]
     mn = xf.amin(dim=dim + 1, keepdim=True)
     mx = xf.amax(dim=dim + 1, keepdim=True)
+    if dtype == torch.float16:  # saturate: a group past fp16's range keeps a finite scale and zero
+        mn, mx = mn.clamp(-FP16_MAX, FP16_MAX), mx.clamp(-FP16_MAX, FP16_MAX)
     qmax = 2**bits - 1
     # divide by a tensor: on CUDA, torch turns division by a Python number into a multiplication by
     # its reciprocal, which rounds differently from the kernels' true division

@@ -521,13 +521,18 @@ def test_kernels_compile_for_h200():
              stride_res_t=64),
         dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.bfloat16, q="*bf16", cache="bf16", BLOCK_N=128,
              NUM_STAGES=2, SWAP_AB=True, RING_N=32),
+        # a bf16 cache with fp16 scales dequantizes into fp16 (the ring and query saturate into it)
+        dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.float16, q="*bf16", cache="bf16", scales="fp16"),
+        dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.float16, q="*bf16", cache="bf16", scales="fp16",
+             BLOCK_N=128, NUM_STAGES=2, SWAP_AB=True, RING_N=32),
     ]
     specs = []
     for v in variants:
         q_ty, cache_ty = v.pop("q"), v.pop("cache")
+        scale_ty = v.pop("scales", cache_ty)
         o_ty = "*fp32" if v["SPLIT"] else q_ty
-        ptrs = dict(q_ptr=q_ty, kc_ptr="*i32", ks_ptr="*" + cache_ty, kz_ptr="*" + cache_ty, vc_ptr="*i32",
-                    vs_ptr="*" + cache_ty, vz_ptr="*" + cache_ty, kr_ptr="*" + cache_ty, vr_ptr="*" + cache_ty,
+        ptrs = dict(q_ptr=q_ty, kc_ptr="*i32", ks_ptr="*" + scale_ty, kz_ptr="*" + scale_ty, vc_ptr="*i32",
+                    vs_ptr="*" + scale_ty, vz_ptr="*" + scale_ty, kr_ptr="*" + cache_ty, vr_ptr="*" + cache_ty,
                     block_table_ptr="*i32", slots_ptr="*i32", seq_lens_ptr="*i32", o_ptr=o_ty,
                     lse_ptr="*fp32", qk_scale="fp32", num_splits="i32")
         warps = 1 if v.get("SWAP_AB") else 8 if v["QG"] == 1 else 4
@@ -552,6 +557,9 @@ def test_kernels_compile_for_h200():
     mma_consts = dict(gluon_consts, QG=4)
     mma_aligned = [a for a in _decode_attention_mma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
     specs.append((_decode_attention_mma_kernel, gluon_ptrs, mma_consts,
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    s16_ptrs = dict(gluon_ptrs, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, mma_consts,  # bf16 query and ring, fp16 scales
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
     specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),

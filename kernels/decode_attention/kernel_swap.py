@@ -28,6 +28,7 @@ programs), not the DRAM bound. The launcher uses it only where it measured faste
 import triton
 import triton.language as tl
 
+from .attend import _dot_operand
 from .unpack import _dequantize_words, _scale_zero
 
 
@@ -53,7 +54,7 @@ def _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, dc: tl.constexpr, QG: 
     chan = dc * 16 + (col % 8) // 2 * 4 + (col // 8) * 2 + col % 2
     heads = tl.arange(0, QG_PAD)
     q_ptrs = q_ptr + b * stride_q_b + (head0 + heads)[None, :] * stride_q_h + chan[:, None]
-    return tl.load(q_ptrs, mask=(heads < QG)[None, :], other=0.0).to(DEQ_DTYPE)
+    return _dot_operand(tl.load(q_ptrs, mask=(heads < QG)[None, :], other=0.0), DEQ_DTYPE)
 
 
 @triton.jit

@@ -13,7 +13,11 @@ import triton.language as tl
 
 @triton.jit
 def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
-    """fp32 min/max -> (scale, zero) in the scale dtype and inv = 1/scale (0 where scale == 0), fp32."""
+    """fp32 min/max -> (scale, zero) in the scale dtype and inv = 1/scale (0 where scale == 0), fp32. fp16
+    scales saturate at +-65,504 (packing.FP16_MAX): the codes of values past it clamp to the ends."""
+    if CACHE_DTYPE == tl.float16:
+        mn = tl.minimum(tl.maximum(mn, -65504.0), 65504.0)
+        mx = tl.minimum(tl.maximum(mx, -65504.0), 65504.0)
     scale = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(CACHE_DTYPE)
     zero = mn.to(CACHE_DTYPE)
     scale_f = scale.to(tl.float32)
