@@ -45,8 +45,9 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("kv-bits", dict(type=int, help="bits per key and value code, 2 or 4 (default: 2)")),
     ("group-size", dict(type=int, help="KIVI group size G (default: 32)")),
     ("residual-length", dict(type=int, help="recent tokens kept in full precision, R (default: 128)")),
-    ("kv-scale-dtype", dict(choices=SCALE_DTYPES, help="scales and zero points of a 16-bit model's cache: float16 "
-                            "(keys and values within +-65,504) or model, its own dtype (default: float16)")),
+    ("kv-scale-dtype", dict(choices=SCALE_DTYPES, help="scales and zero points of a 16-bit model's cache: "
+                            "float16 (packed keys and values past +-65,504 saturate) or model, its own dtype "
+                            "(default: float16)")),
     ("kivi-backend", dict(choices=KIVI_BACKENDS, help="kernels: auto = triton on GPU, reference on CPU")),
     ("actors", dict(type=int, help="actor pool size (default: the cluster's GPUs / --gpus-per-actor, else 1)")),
     ("gpus-per-actor", dict(type=float, help="GPUs each actor holds; 0.5 puts two actors on a GPU (default: 1)")),

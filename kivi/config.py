@@ -25,7 +25,7 @@ class KiviConfig:
     backend:          "triton" (GPU kernels, or the Triton interpreter) or "reference" (PyTorch).
     scale_dtype:      dtype of the scales and zero points of a 16-bit model's cache: "float16" (three more
                       mantissa bits than bf16, and the tensor-core decode kernel folds them in with packed
-                      fp16 products; keys and values must stay within fp16's +-65,504) or "model" (the
+                      fp16 products; packed keys and values past fp16's +-65,504 saturate) or "model" (the
                       model's dtype). fp32 models keep fp32 scales either way.
     """
 
