@@ -63,11 +63,16 @@ def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
         return dict(zip(names, pool.map(read, names), strict=True))
 
 
+# what a shard recorded before a row field existed was made with: the field's value then
+_BEFORE_FIELD = {"kv_scale_dtype": lambda previous: "model" if previous.get("kivi") else None}
+
+
 def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str) -> None:
     """ValueError when a complete shard of `output` that this run keeps was made with other settings."""
     for name, previous in sorted(recorded.items()):
         if previous is None:
             continue
+        previous = {**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous}
         changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
         if changed:
             raise ValueError(

@@ -202,6 +202,9 @@ def test_scales_are_stored_in_the_configured_dtype(model_dtype, scale_dtype):
     assert {pages[n].dtype for n in ("k_scale", "k_zero", "v_scale", "v_zero")} == {want}
     assert storage.allocate_slots(1, 2, 64, model_dtype, "cpu")["k_res"].dtype == model_dtype
     assert storage.page_bytes(2, 64, model_dtype) * 3 == sum(t.numel() * t.element_size() for t in pages.values())
+    # per head: key and value codes (2 bits each), four scale/zero tensors of p * 64 / g elements
+    p, g, item = cfg.page_size, cfg.group_size, want.itemsize
+    assert storage.page_bytes(2, 64, model_dtype) == 2 * (2 * p * 64 * 2 // 8 + 4 * (p * 64 // g) * item)
 
 
 def test_unsupported_models_raise_naming_the_type():

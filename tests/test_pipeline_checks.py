@@ -119,6 +119,20 @@ def test_a_run_that_does_not_redo_a_shard_must_match_it(tmp_path, tiny_model):
         run(new)
 
 
+def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
+    """Shards written before kv_scale_dtype was recorded were made with scales in the model's dtype: a run with
+    fp16 scales (the default now) must not mix its rows with theirs; "model" matches them, as does any run
+    over a shard made without the KIVI cache."""
+    from pipeline.resume import check_resume
+
+    old = {"kivi": True, "kv_bits": 2, "max_new_tokens": 8}
+    now = dict(old, kv_scale_dtype="float16")
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(kv_scale_dtype 'model' -> 'float16'"):
+        check_resume(now, {"a": old}, "out")
+    check_resume(dict(now, kv_scale_dtype="model"), {"a": old}, "out")
+    check_resume(dict(now, kivi=False, kv_scale_dtype=None), {"a": dict(old, kivi=False)}, "out")
+
+
 def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):
     write(tmp_path / "in/a.parquet", prompt=["p"])
     job = JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in"), model=tiny_model)

@@ -26,21 +26,12 @@ def _split_range(n_blocks, split, num_splits):
 
 
 @triton.jit
-def _dot_operand(x, DOT_DTYPE: tl.constexpr):
-    """x in DOT_DTYPE; bf16 into fp16 (a bf16 cache with fp16 scales) saturates at +-65,504 instead of
-    overflowing to inf, as the packed store's scales do."""
-    if DOT_DTYPE == tl.float16 and x.dtype == tl.bfloat16:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)
-    return x.to(DOT_DTYPE)
-
-
-@triton.jit
 def _scores(q, k_t, valid, qk_scale, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr,
             INPUT_PRECISION: tl.constexpr):
     """Masked, scaled scores [QG_PAD, BLOCK_N] (log2 domain): tensor cores (query group padded to >= 16
     rows) or multiply-reduce."""
     if USE_DOT:
-        s = tl.dot(q, _dot_operand(k_t, DOT_DTYPE), input_precision=INPUT_PRECISION)
+        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     else:
         s = tl.sum(q[:, :, None] * k_t.to(tl.float32)[None, :, :], axis=1)
     return tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -50,7 +41,7 @@ def _scores(q, k_t, valid, qk_scale, USE_DOT: tl.constexpr, DOT_DTYPE: tl.conste
 def _weighted_values(p, v, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """P @ V: [QG_PAD, BLOCK_N] x [BLOCK_N, D] -> [QG_PAD, D] fp32."""
     if USE_DOT:
-        return tl.dot(p.to(DOT_DTYPE), _dot_operand(v, DOT_DTYPE), input_precision=INPUT_PRECISION)
+        return tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     return tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
 
 
@@ -147,9 +138,7 @@ def _load_query_group(q_ptr, b, head0, stride_q_b, stride_q_h, QG: tl.constexpr,
     offs_h = tl.arange(0, QG_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + b * stride_q_b + (head0 + offs_h)[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=(offs_h < QG)[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=(offs_h < QG)[:, None], other=0.0).to(tl.float32)
     if USE_DOT:
-        q = _dot_operand(q, DOT_DTYPE)
-    else:
-        q = q.to(tl.float32)
+        q = q.to(DOT_DTYPE)
     return q

@@ -85,10 +85,11 @@ def choose_num_splits(programs: int, max_tokens: int, device: torch.device, prog
     return max(1, min(want, cap, max_splits))
 
 
-def dot_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, scale_dtype: torch.dtype | None = None):
+def dot_config(q_dtype: torch.dtype, cache_dtype: torch.dtype):
     """(tl dtype for tl.dot operands, input_precision): the common 16-bit type, else exact fp32. A bf16 cache
-    with fp16 scales (KiviConfig.scale_dtype) dequantizes into fp16: bf16 would drop the scales' three extra
-    mantissa bits, and fp16 scales already assume keys and values within fp16's range.
+    dequantizes into bf16 whatever its scales' dtype: fp16 operands could overflow where a group's range
+    does not (the dequantization's multiplier 2^bits scale and offset zero - 2^bits scale), so fp16 scales
+    are rounded to bf16 there, as bf16 scales were stored.
 
     The interpreter computes bf16 arithmetic wrongly, so there bf16 operands stay fp32.
     """
@@ -97,7 +98,7 @@ def dot_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, scale_dtype: torc
     if q_dtype == cache_dtype == torch.float16:
         return tl.float16, None
     if q_dtype == cache_dtype == torch.bfloat16 and not interpreting():
-        return (tl.float16 if scale_dtype == torch.float16 else tl.bfloat16), None
+        return tl.bfloat16, None
     return tl.float32, "ieee"
 
 

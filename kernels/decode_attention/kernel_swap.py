@@ -28,7 +28,6 @@ programs), not the DRAM bound. The launcher uses it only where it measured faste
 import triton
 import triton.language as tl
 
-from .attend import _dot_operand
 from .unpack import _dequantize_words, _scale_zero
 
 
@@ -54,7 +53,7 @@ def _query_chunk(q_ptr, b, head0, stride_q_b, stride_q_h, dc: tl.constexpr, QG: 
     chan = dc * 16 + (col % 8) // 2 * 4 + (col // 8) * 2 + col % 2
     heads = tl.arange(0, QG_PAD)
     q_ptrs = q_ptr + b * stride_q_b + (head0 + heads)[None, :] * stride_q_h + chan[:, None]
-    return _dot_operand(tl.load(q_ptrs, mask=(heads < QG)[None, :], other=0.0), DEQ_DTYPE)
+    return tl.load(q_ptrs, mask=(heads < QG)[None, :], other=0.0).to(DEQ_DTYPE)
 
 
 @triton.jit

@@ -151,8 +151,8 @@ def decode_attention(
         if not mma_ok:
             raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit keys and values, 1 to 8 query "
                              f"heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32 or 64 "
-                             f"tokens, fp16 or bf16 for the query, scales and ring alike, and 16-byte aligned "
-                             f"page tensors; got k_bits={k_bits}, "
+                             f"tokens, fp16 or bf16 for the query and ring alike (scales in it or fp16), and "
+                             f"16-byte aligned page tensors; got k_bits={k_bits}, "
                              f"v_bits={v_bits}, q_heads/kv_heads={qg}, head_dim={head_dim}, page_size={page_size}, "
                              f"group_size={group_size}, q {q.dtype}, k_scale {k_scale.dtype}, k_res {k_res.dtype}, "
                              f"device={q.device}")
@@ -172,7 +172,7 @@ def decode_attention(
         return launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                            seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
                           FMA_BLOCK_N if block_n is None else block_n, maxnreg, cp_async, magic)
-    dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype, k_scale.dtype)
+    dot_dtype, precision = C.dot_config(q.dtype, k_res.dtype)
     use_dot = True if use_dot is None else bool(use_dot)
     qg_pad = max(16, C.triton_next_pow2(qg)) if use_dot else C.triton_next_pow2(qg)
     eligible = swap_eligible(k_bits, v_bits, head_dim, page_size, use_dot)

@@ -30,9 +30,10 @@ def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
 def _codes(x, zero, inv, QMAX: tl.constexpr):
     """clamp(floor((x - zero) * inv + 0.5), 0, QMAX) as int32; zero/inv broadcast against x.
 
-    The clamped value is >= 0, so truncation is the floor: one conversion, no separate rounding."""
-    q = tl.maximum((x - zero.to(tl.float32)) * inv + 0.5, 0.0)
-    return tl.minimum(q.to(tl.int32), QMAX)
+    The clamped value is in [0, QMAX + 1), so truncation is the floor: one conversion, no separate rounding,
+    and never out of int32's range (saturated fp16 scales leave values far past a group's clamped max)."""
+    q = tl.minimum(tl.maximum((x - zero.to(tl.float32)) * inv + 0.5, 0.0), QMAX + 0.5)
+    return q.to(tl.int32)
 
 
 @triton.jit
