@@ -106,4 +106,10 @@ def plan(name: str):
         return [((B, L, Hq, H), both) for B, L, Hq, H in [
             (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (1, 131072, 32, 32),
             (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8), (1, 131072, 32, 8)]]
+    if name == "stages":  # the mma kernel's cp.async stages: 2 (one block in flight) against 3 (two)
+        both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3))]
+        return [((B, L, Hq, H), both) for B, L, Hq, H in [
+            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
+            (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
+            (1, 131072, 32, 8)]]
     raise SystemExit(f"unknown plan {name}")

@@ -324,6 +324,13 @@ def test_mma_kernel_matches_reference(case: Case):
     check_against_reference(case, TOL[case.dtype], mma=True)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
+def test_mma_kernel_with_three_stages_matches_reference(case: Case):
+    """num_stages=3: two packed blocks in flight (odd lengths, splits, pages of 256, QG 1 and 4)."""
+    check_against_reference(case, TOL[case.dtype], mma=True, num_stages=3)
+
+
 @pytest.mark.parametrize("mma", [None, True], ids=["default", "mma"])
 def test_wide_groups_with_fp16_scales_stay_finite(mma):
     """A bf16 cache whose groups span up to ~1e5 (past fp16's range: some fp16 scales and zeros saturate at
@@ -379,6 +386,11 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     splits = grid[2]
     assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
     assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
+    assert kw["STAGES"] == ops_mma.MMA_STAGES
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3)
+    assert calls[-1][2]["STAGES"] == 3
+    with pytest.raises(ValueError, match="num_stages"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=4)
     assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace
     with pytest.raises(ValueError, match="maxnreg"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, maxnreg=100)
@@ -580,6 +592,8 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     s16_ptrs = dict(gluon_ptrs, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
     specs.append((_decode_attention_mma_kernel, s16_ptrs, mma_consts,  # bf16 query and ring, fp16 scales
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3),  # two blocks in flight
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
     specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),

@@ -177,6 +177,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+    STAGES: gl.constexpr = 2,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's
@@ -204,21 +205,30 @@ def _decode_attention_mma_kernel(
     acc2 = acc0
     acc3 = acc0
     z = gl.zeros([16, 8], gl.float32, _MMA)
-    # stage 2: packed blocks through the block table; block blk + 1 arrives by cp.async during block blk
+    # stage 2: packed blocks through the block table; blocks blk + 1 .. blk + STAGES - 1 arrive by cp.async
+    # during block blk
+    gl.static_assert(STAGES == 2 or STAGES == 3)
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     if lo < n_end:
-        kw, ks, kz, vw, vs, vz = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP)
-        _issue_block(kw, ks, kz, vw, vs, vz, 0, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, lo, n_end,
-                     nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
-                     stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE)
-        for blk in range(lo, n_end):
-            st = (blk - lo) % 2
-            _issue_block(kw, ks, kz, vw, vs, vz, 1 - st, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h,
-                         blk + 1, n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n,
+        kw, ks, kz, vw, vs, vz = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP, STAGES)
+        for pre in gl.static_range(STAGES - 1):
+            _issue_block(kw, ks, kz, vw, vs, vz, pre, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h,
+                         lo + pre, n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n,
                          stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t,
                          GROUP, PAGE)
-            cp.wait_group(1)  # block blk's group (all but the newest) has landed
+        for blk in range(lo, n_end):
+            st = (blk - lo) % STAGES
+            # into the stage block blk - 1 was read from (its reads ended with that step's products)
+            if STAGES == 2:
+                nxt = 1 - st
+            else:
+                nxt = (blk - lo + STAGES - 1) % STAGES
+            _issue_block(kw, ks, kz, vw, vs, vz, nxt, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
+                         vs_ptr, vz_ptr, bt_row, h, blk + STAGES - 1, n_end, nq, stride_kc_n, stride_kc_h,
+                         stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w,
+                         stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE)
+            cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
             s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
             acc0, acc1, acc2, acc3, z = _value_step(

@@ -2,10 +2,11 @@
 scales and zeros arrive by cp.async while block blk's math runs (kernel_notes.md, version 12, for why not
 register prefetches). Only @gluon.jit code and layout constants.
 
-Each stage holds, for one 64-token block of one KV head: key words [4 rows, 128] (int32), key scales and zeros
-of the two 32-token halves [2, 128], value words transposed [4 chunks, 2 words, 64 tokens] (4-byte copies, so that a
-lane reads 16 consecutive tokens of one word in 16-byte loads), value scales and zeros [4, 16 NG] (the 64 x NG
-block in 4 rows, each row one lane group's 16 tokens). The readers load each stage in a layout whose lanes
+Each of the STAGES stages (2, or 3 for two blocks in flight) holds, for one 64-token block of one KV head:
+key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves [2, 128], value words
+transposed [4 chunks, 2 words, 64 tokens] (4-byte copies, so that a lane reads 16 consecutive tokens of one
+word in 16-byte loads), value scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane
+group's 16 tokens). The readers load each stage in a layout whose lanes
 match the operands' (kernel_mma_frag.py) and reshape in registers.
 """
 
@@ -42,15 +43,15 @@ _RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr):
-    """Two stages of every buffer: (kw, ks, kz, vw, vs, vz)."""
-    kw = gl.allocate_shared_memory(gl.int32, [2, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-    ks = gl.allocate_shared_memory(ks_ty, [2, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    kz = gl.allocate_shared_memory(ks_ty, [2, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    vw = gl.allocate_shared_memory(gl.int32, [8, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))  # [4 st + g]
+def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr):
+    """STAGES stages of every buffer: (kw, ks, kz, vw, vs, vz), 6 KiB a stage."""
+    kw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     VS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
-    vs = gl.allocate_shared_memory(ks_ty, [2, 4, 16 * NG], VS)
-    vz = gl.allocate_shared_memory(ks_ty, [2, 4, 16 * NG], VS)
+    vs = gl.allocate_shared_memory(ks_ty, [STAGES, 4, 16 * NG], VS)
+    vz = gl.allocate_shared_memory(ks_ty, [STAGES, 4, 16 * NG], VS)
     return kw, ks, kz, vw, vs, vz
 
 

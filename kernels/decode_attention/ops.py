@@ -128,7 +128,8 @@ def decode_attention(
     tensors' strides allow it), magic (the FMA kernel's version 13 step, kernel_gluon_magic.py; default
     ops_fma.FMA_MAGIC), mma (2-bit keys and values, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16,
     on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; the default where
-    eligible and large enough, ahead of fma; of the other knobs only num_splits and maxnreg apply).
+    eligible and large enough, ahead of fma; of the other knobs only num_splits, maxnreg and num_stages, its
+    cp.async stages, 2 or 3, apply).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -158,7 +159,7 @@ def decode_attention(
                              f"device={q.device}")
         return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          maxnreg)
+                          maxnreg, num_stages)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in table_knobs)
