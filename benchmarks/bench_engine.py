@@ -38,6 +38,12 @@ How each number is measured:
                        H200's ~4,220 GB/s counts 3.1 ms, not the 6.4 ms of counting the copy's bytes once). The engine's
                        per-step batch and lengths come from a wrapper around ModelRunner.decode (class-level,
                        benchmark process only); hf steps have every row of the batch at prompt + step tokens.
+  decode_compute_bound_ms  the same steps' FLOPs (2 x the parameters read per row, + 4 x layers x query heads x
+                       head_dim per cached token) at the bf16 matmul rate measured at the start of the run (an
+                       8192^3 product, median of 10; header matmul_tflops): a second floor, which the bytes bound
+                       does not see and which large batches reach (256 rows of Llama-3-8B: ~4 TFLOP a step).
+  decode_floor_ms      both floors where each applies: max(weights' bytes, the weights' FLOPs) for the matmul
+                       kernels plus the KV cache's bytes for attention (separate kernels, so their times add).
   max_in_flight        engine: engine.stats(); hf: the static batch size.
   peak_allocated_gib   torch.cuda.max_memory_allocated over the system's whole run (weights included; for the
                        engine its build, i.e. workspace measurement and graph capture, included).
@@ -67,7 +73,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-from common import copy_bandwidth, env_header, log, write_json  # noqa: E402
+from common import copy_bandwidth, env_header, log, matmul_rate, write_json  # noqa: E402
 from engine_probe import VARIANTS, split_system  # noqa: E402
 from engine_report import TABLE_HEAD, compact, speedups, table_row  # noqa: E402
 from engine_setup import (  # noqa: E402
@@ -107,6 +113,8 @@ def finish_record(rec: dict, n: int, device: torch.device) -> dict:
     rec["output_tokens_per_s"] = rec["output_tokens"] / wall if wall > 0 else None
     rec["ms_per_decode_step"] = 1e3 * rec["decode_s"] / steps if steps else None
     rec["decode_bound_ms"] = 1e3 * rec["decode_bound_s"] / bound_steps if bound_steps else None
+    rec["decode_compute_bound_ms"] = 1e3 * rec["decode_compute_s"] / bound_steps if bound_steps else None
+    rec["decode_floor_ms"] = 1e3 * rec["decode_floor_s"] / bound_steps if bound_steps else None
     if rec["ms_per_decode_step"] and rec["decode_bound_ms"]:
         rec["step_over_bound"] = rec["ms_per_decode_step"] / rec["decode_bound_ms"]
     rec["mean_decode_batch"] = rec["decode_rows"] / bound_steps if bound_steps else None
@@ -194,6 +202,7 @@ def parse_args(argv=None):
 class Context:
     device: torch.device
     bandwidth: float  # bytes/s
+    flop_rate: float  # bf16 matmul FLOP/s
     workloads: dict
     max_seconds: float
     budget_end: float
@@ -262,12 +271,15 @@ def main(argv=None) -> dict:
 
     header = env_header(device)
     bw = copy_bandwidth(device, nbytes=(64 * 2**20 if smoke else 2 * GiB), iters=(5 if smoke else 10))
+    mm = matmul_rate(device, n=(256 if smoke else 8192))
     header.update(copy_bandwidth_gbs=round(bw["gbs"], 1), copy_bandwidth_samples_gbs=bw["samples_gbs"],
+                  matmul_tflops=round(mm["tflops"], 1), matmul_samples_tflops=mm["samples_tflops"],
                   quanto_available=quanto_available(), argv=sys.argv[1:],
                   alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), models={m: models[m] for m in model_names},
                   workloads={w: workloads[w] for w in wl_names}, num_prompts={w: num_prompts[w] for w in wl_names},
                   max_seconds=max_seconds, budget_seconds=budget, systems=systems, caps_gib=caps)
-    ctx = Context(device=device, bandwidth=bw["gbs"] * 1e9, workloads=workloads, max_seconds=max_seconds,
+    ctx = Context(device=device, bandwidth=bw["gbs"] * 1e9, flop_rate=mm["tflops"] * 1e12, workloads=workloads,
+                  max_seconds=max_seconds,
                   budget_end=t_launch + budget if budget else float("inf"), engine_max_batch=(
                       min(args.engine_max_batch, 4) if smoke else args.engine_max_batch),
                   cuda_graphs=not args.no_cuda_graphs, fused_layers=not args.no_fused_layers,

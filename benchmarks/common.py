@@ -91,6 +91,25 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, iters: int = 1
     return {"gbs": statistics.median(samples), "samples_gbs": [round(s, 1) for s in samples], "nbytes": nbytes}
 
 
+def matmul_rate(device: torch.device, n: int = 8192, iters: int = 10, warmup: int = 2) -> dict:
+    """bf16 matmul throughput of [n, n] x [n, n] products (2 n^3 FLOPs each), the compute roof a decode step's
+    matmuls can reach. Returns {"tflops": median, "samples_tflops": [...], "n": n}."""
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    samples = []
+    for i in range(warmup + iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            samples.append(2 * n**3 / (time.perf_counter() - t0) / 1e12)
+    del a, b
+    return {"tflops": statistics.median(samples), "samples_tflops": [round(x, 1) for x in samples], "n": n}
+
+
 def write_json(path: str | os.PathLike, obj) -> None:
     """Write atomically (a reader never sees half a file)."""
     path = Path(path)

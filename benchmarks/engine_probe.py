@@ -15,10 +15,13 @@ class TimeUp(Exception):
 class RunnerProbe:
     """Counts what the engine's model runner is asked to do; raises TimeUp past the deadline."""
 
-    def __init__(self, read_table: list[int], weight_bytes: int, bandwidth: float, deadline: float) -> None:
+    def __init__(self, read_table: list[int], weight_bytes: int, bandwidth: float, deadline: float,
+                 flops: tuple[float, float, float] | None = None) -> None:
+        """flops: (per row, per cached token, FLOP/s) for compute_s, the steps' FLOPs at that rate."""
         self.read_table, self.weights, self.bandwidth, self.deadline = read_table, weight_bytes, bandwidth, deadline
+        self.flops = flops
         self.prefill_rows = self.steps = self.rows = 0
-        self.bound_s = 0.0
+        self.bound_s = self.compute_s = self.floor_s = 0.0
 
     def check(self) -> None:
         if time.perf_counter() > self.deadline:
@@ -34,6 +37,12 @@ class RunnerProbe:
         self.rows += len(positions)
         kv = sum(self.read_table[p + 1] for p in positions)  # row b caches positions[b] + 1 tokens
         self.bound_s += (self.weights + kv) / self.bandwidth
+        if self.flops:
+            per_row, per_token, rate = self.flops
+            self.compute_s += (per_row * len(positions) + per_token * sum(p + 1 for p in positions)) / rate
+            # the weights' products are one kernel per matrix, bound by their bytes or their FLOPs, and
+            # attention another, bound by the cache's bytes: they add up
+            self.floor_s += max(self.weights / self.bandwidth, per_row * len(positions) / rate) + kv / self.bandwidth
 
 
 @contextmanager

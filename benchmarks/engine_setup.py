@@ -85,6 +85,18 @@ def weight_read_bytes(model) -> int:
     return total
 
 
+def decode_flops(model) -> tuple[float, float]:
+    """(FLOPs of one decode row through the weights: 2 x the parameters a step reads, input embedding excluded;
+    FLOPs per cached token of one row's attention: 4 x layers x query heads x head_dim, scores and values)."""
+    params = sum(p.numel() for p in model.parameters())
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if emb.data_ptr() != head.data_ptr():
+        params -= emb.numel()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2.0 * params, 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+
+
 # -- model, prompts, tokenizer ------------------------------------------------------------------------
 def build_model(shape: dict, device: torch.device):
     """Random bf16 Llama built on `device`, attention through the "kivi" hook, no EOS (ignore_eos)."""

@@ -13,6 +13,7 @@ from engine_setup import (
     KVFormat,
     Prompt,
     StubTokenizer,
+    decode_flops,
     free_memory,
     kv_format,
     peak_gib,
@@ -104,10 +105,12 @@ def run_hf(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadl
     total_len = prompt_len + max(p.new_tokens for p in prompts)
     batch, detail = hf_batch_size(model, fmt, make_cache, prompt_len, total_len, len(prompts), cap_gib, ctx)
     weights = weight_read_bytes(model)
+    per_row, per_token = decode_flops(model)
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     clock_cls = type("StepClockCriteria", (StepClock, StoppingCriteria), {})
-    acc = dict(wall=0.0, tokens=0, done=0, steps=0, decode_s=0.0, bound_s=0.0, rows=0, retries=0, wasted=0.0)
+    acc = dict(wall=0.0, tokens=0, done=0, steps=0, decode_s=0.0, bound_s=0.0, compute_s=0.0, floor_s=0.0, rows=0,
+               retries=0, wasted=0.0)
     sample, in_flight, i = None, 0, 0
     t_end = time.perf_counter() + deadline_s
     hard_end = t_end + deadline_s  # an out-of-memory batch's time is given back, up to twice the limit in all
@@ -149,11 +152,17 @@ def run_hf(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadl
             acc["rows"] += steps * len(chunk)
             acc["bound_s"] += sum(weights + len(chunk) * fmt.read_bytes(prompt_len + j)
                                   for j in range(1, steps + 1)) / ctx.bandwidth
+            acc["compute_s"] += sum(len(chunk) * (per_row + per_token * (prompt_len + j))
+                                    for j in range(1, steps + 1)) / ctx.flop_rate
+            acc["floor_s"] += sum(max(weights / ctx.bandwidth, len(chunk) * per_row / ctx.flop_rate)
+                                  + len(chunk) * fmt.read_bytes(prompt_len + j) / ctx.bandwidth
+                                  for j in range(1, steps + 1))
         in_flight = max(in_flight, len(chunk))
         i += len(chunk)
     return dict(
         output_tokens=acc["tokens"], wall_s=acc["wall"], num_prompts_done=acc["done"], max_in_flight=in_flight,
         decode_steps=acc["steps"], decode_s=acc["decode_s"], decode_bound_s=acc["bound_s"], bound_steps=acc["steps"],
+        decode_compute_s=acc["compute_s"], decode_floor_s=acc["floor_s"],
         decode_rows=acc["rows"],
         batch_size=batch, batch_plan=detail, oom_retries=acc["retries"], oom_wasted_s=round(acc["wasted"], 3),
         sample_tokens=sample,
@@ -184,7 +193,7 @@ def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, d
     fmt = kv_format(model, system, ctx.kivi_kw)
     max_len = max(len(p.ids) + p.new_tokens for p in prompts)
     probe = RunnerProbe(fmt.read_table(max_len), weight_read_bytes(model), ctx.bandwidth,
-                        time.perf_counter() + deadline_s)
+                        time.perf_counter() + deadline_s, flops=(*decode_flops(model), ctx.flop_rate))
     completions, aborted = None, False
     t0 = time.perf_counter()
     with instrumented_runner(probe):
@@ -209,6 +218,7 @@ def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, d
     rec = dict(
         output_tokens=tokens, wall_s=wall, num_prompts_done=done, max_in_flight=stats.get("max_in_flight"),
         decode_steps=stats.get("decode_steps", 0), decode_s=stats.get("decode_s", 0.0), decode_bound_s=probe.bound_s,
+        decode_compute_s=probe.compute_s, decode_floor_s=probe.floor_s,
         bound_steps=probe.steps, decode_rows=probe.rows, build_s=build_s, build_in_timed_region=not prebuilt,
         build_peak_gib=build_peak, aborted_at_time_limit=aborted, oom_retries=stats.get("oom_retries"),
         num_slots=stats.get("num_slots"), num_pages=stats.get("num_pages"),
