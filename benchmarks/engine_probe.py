@@ -12,6 +12,20 @@ class TimeUp(Exception):
     """Raised inside the engine's generate() when the run reaches its time limit."""
 
 
+def step_costs(weights: int, kv: int, rows: int, cached: int, bandwidth: float,
+               flops: tuple[float, float, float] | None) -> tuple[float, float, float]:
+    """Seconds of one decode step of `rows` rows holding `cached` tokens in all, whose KV cache is `kv` bytes:
+    (bytes bound: weights and cache at the copy bandwidth; FLOP bound: flops = (per row, per cached token,
+    FLOP/s); floor: the weights' products bound by their bytes or FLOPs, plus attention bound by the cache's
+    bytes, separate kernels whose times add). Without flops the last two are 0."""
+    bound = (weights + kv) / bandwidth
+    if not flops:
+        return bound, 0.0, 0.0
+    per_row, per_token, rate = flops
+    compute = (per_row * rows + per_token * cached) / rate
+    return bound, compute, max(weights / bandwidth, per_row * rows / rate) + kv / bandwidth
+
+
 class RunnerProbe:
     """Counts what the engine's model runner is asked to do; raises TimeUp past the deadline."""
 
@@ -36,13 +50,11 @@ class RunnerProbe:
         self.steps += 1
         self.rows += len(positions)
         kv = sum(self.read_table[p + 1] for p in positions)  # row b caches positions[b] + 1 tokens
-        self.bound_s += (self.weights + kv) / self.bandwidth
-        if self.flops:
-            per_row, per_token, rate = self.flops
-            self.compute_s += (per_row * len(positions) + per_token * sum(p + 1 for p in positions)) / rate
-            # the weights' products are one kernel per matrix, bound by their bytes or their FLOPs, and
-            # attention another, bound by the cache's bytes: they add up
-            self.floor_s += max(self.weights / self.bandwidth, per_row * len(positions) / rate) + kv / self.bandwidth
+        cached = sum(p + 1 for p in positions)
+        bound, compute, floor = step_costs(self.weights, kv, len(positions), cached, self.bandwidth, self.flops)
+        self.bound_s += bound
+        self.compute_s += compute
+        self.floor_s += floor
 
 
 @contextmanager

@@ -76,22 +76,22 @@ def kv_format(model, system: str, kivi_kw: dict) -> KVFormat:
                     residual=kivi_kw.get("residual_length", 128), page=kivi_kw.get("page_size", 128))
 
 
-def weight_read_bytes(model) -> int:
-    """Bytes of the weights one decode step reads: every parameter but the input embedding table."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+def _step_parameters(model) -> list[torch.Tensor]:
+    """The parameters one decode step reads: every one but the input embedding table (unless the output head
+    shares it)."""
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    if emb.data_ptr() != head.data_ptr():
-        total -= emb.numel() * emb.element_size()
-    return total
+    return [p for p in model.parameters() if p is not emb or emb.data_ptr() == head.data_ptr()]
+
+
+def weight_read_bytes(model) -> int:
+    """Bytes of the weights one decode step reads."""
+    return sum(p.numel() * p.element_size() for p in _step_parameters(model))
 
 
 def decode_flops(model) -> tuple[float, float]:
-    """(FLOPs of one decode row through the weights: 2 x the parameters a step reads, input embedding excluded;
-    FLOPs per cached token of one row's attention: 4 x layers x query heads x head_dim, scores and values)."""
-    params = sum(p.numel() for p in model.parameters())
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    if emb.data_ptr() != head.data_ptr():
-        params -= emb.numel()
+    """(FLOPs of one decode row through the weights: 2 x the parameters a step reads; FLOPs per cached token of
+    one row's attention: 4 x layers x query heads x head_dim, scores and values)."""
+    params = sum(p.numel() for p in _step_parameters(model))
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2.0 * params, 4.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim

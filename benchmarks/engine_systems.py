@@ -7,7 +7,7 @@ import inspect
 import time
 
 import torch
-from engine_probe import RunnerProbe, TimeUp, build_engine, engine_config, instrumented_runner
+from engine_probe import RunnerProbe, TimeUp, build_engine, engine_config, instrumented_runner, step_costs
 from engine_setup import (
     GiB,
     KVFormat,
@@ -105,7 +105,7 @@ def run_hf(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadl
     total_len = prompt_len + max(p.new_tokens for p in prompts)
     batch, detail = hf_batch_size(model, fmt, make_cache, prompt_len, total_len, len(prompts), cap_gib, ctx)
     weights = weight_read_bytes(model)
-    per_row, per_token = decode_flops(model)
+    flops = (*decode_flops(model), ctx.flop_rate)
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     clock_cls = type("StepClockCriteria", (StepClock, StoppingCriteria), {})
@@ -150,13 +150,12 @@ def run_hf(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadl
             acc["steps"] += steps
             acc["decode_s"] += clock.times[-1] - clock.times[0]
             acc["rows"] += steps * len(chunk)
-            acc["bound_s"] += sum(weights + len(chunk) * fmt.read_bytes(prompt_len + j)
-                                  for j in range(1, steps + 1)) / ctx.bandwidth
-            acc["compute_s"] += sum(len(chunk) * (per_row + per_token * (prompt_len + j))
-                                    for j in range(1, steps + 1)) / ctx.flop_rate
-            acc["floor_s"] += sum(max(weights / ctx.bandwidth, len(chunk) * per_row / ctx.flop_rate)
-                                  + len(chunk) * fmt.read_bytes(prompt_len + j) / ctx.bandwidth
-                                  for j in range(1, steps + 1))
+            for j in range(1, steps + 1):  # every row of the batch holds prompt_len + j tokens at step j
+                bound, compute, floor = step_costs(weights, len(chunk) * fmt.read_bytes(prompt_len + j), len(chunk),
+                                                   len(chunk) * (prompt_len + j), ctx.bandwidth, flops)
+                acc["bound_s"] += bound
+                acc["compute_s"] += compute
+                acc["floor_s"] += floor
         in_flight = max(in_flight, len(chunk))
         i += len(chunk)
     return dict(

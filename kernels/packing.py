@@ -28,6 +28,13 @@ def codes_per_word(bits: int) -> int:
 FP16_MAX = 65504.0  # scales and zeros stored in fp16 saturate here (a bf16 cache's keys may go further)
 
 
+def expected_scale_dtype(scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype launchers check scales and zero points against: the cache's or fp16 (KiviConfig.scale_dtype),
+    whichever `scale` has; anything else is checked against the cache's, which the error then names."""
+    scale_dtype = getattr(scale, "dtype", None)
+    return scale_dtype if scale_dtype in (cache_dtype, torch.float16) else cache_dtype
+
+
 def quantize_groups(
     x: torch.Tensor, bits: int, group_size: int, dim: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -135,6 +135,18 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor) ->
     )
 
 
+def one_warp_launch(op: str, maxnreg: int, num_splits: int | None, rows: int, max_tokens: int,
+                    device: torch.device, per_sm: int) -> int:
+    """Checks of a launch of one-warp programs (the Gluon kernels): a register cap ptxas takes (multiples of 8,
+    or 255), and the split count, chosen for `per_sm` programs per SM when None (rows = batch x KV heads)."""
+    check_int(op, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
+    if num_splits is None:
+        num_splits = choose_num_splits(rows, max_tokens, device, programs_per_sm=per_sm,
+                                       max_splits=ONE_WARP_MAX_SPLITS)
+    check_int(op, "num_splits", num_splits)
+    return num_splits
+
+
 def launch_kivi(kernel, q: torch.Tensor, caches: tuple, out: torch.Tensor, sm_scale: float, num_splits: int,
                 **meta) -> torch.Tensor:
     """One launch of a KIVI decode-attention kernel on grid (B, KV heads, num_splits) with the arguments all of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..packing import expected_scale_dtype
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
@@ -241,8 +242,7 @@ def check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         raise TypeError(f"{_OP}: k_res has dtype {cache_dtype}, expected fp16, bf16 or fp32")
     scale_shape = (n_pages, kv_heads, page_size // group_size, head_dim)
     vscale_shape = (n_pages, kv_heads, page_size, head_dim // group_size)
-    # scales and zero points: the cache's dtype, or fp16 (KiviConfig.scale_dtype), all four the same
-    scale_dtype = k_scale.dtype if getattr(k_scale, "dtype", None) in (cache_dtype, torch.float16) else cache_dtype
+    scale_dtype = expected_scale_dtype(k_scale, cache_dtype)  # all four the same
     C.check_tensor(_OP, "k_scale", k_scale, scale_shape, (scale_dtype,))
     C.check_tensor(_OP, "k_zero", k_zero, scale_shape, (scale_dtype,))
     C.check_tensor(_OP, "v_codes", v_codes, (n_pages, kv_heads, page_size, head_dim * v_bits // 32),

@@ -81,12 +81,8 @@ def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         maxnreg = FMA_MAXNREG if cp_async else FMA_MAXNREG_PLAIN
     if page_size % block_n:
         raise ValueError(f"{_OP}: the fma kernel's block_n={block_n} must divide page_size={page_size}")
-    C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
-    if num_splits is None:
-        per_sm = FMA_PER_SM if cp_async else FMA_PER_SM_PLAIN
-        num_splits = C.choose_num_splits(batch * heads, max_tokens, q.device, programs_per_sm=per_sm,
-                                         max_splits=C.ONE_WARP_MAX_SPLITS)
-    C.check_int(_OP, "num_splits", num_splits)
+    num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * heads, max_tokens, q.device,
+                                   FMA_PER_SM if cp_async else FMA_PER_SM_PLAIN)
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_fma_kernel, q, caches, out, sm_scale, num_splits,

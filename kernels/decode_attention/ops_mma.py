@@ -60,13 +60,9 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
-    C.check_int(_OP, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
     stages = MMA_STAGES if stages is None else stages
     C.check_int(_OP, "num_stages", stages, (2, 3))
-    if num_splits is None:
-        num_splits = C.choose_num_splits(batch * kv_heads, max_tokens, q.device, programs_per_sm=MMA_PER_SM,
-                                         max_splits=C.ONE_WARP_MAX_SPLITS)
-    C.check_int(_OP, "num_splits", num_splits)
+    num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM)
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,

@@ -10,14 +10,18 @@ from the stored values with IEEE division (div_rn), and the launcher disables FM
 import triton
 import triton.language as tl
 
+from ..packing import FP16_MAX as _FP16_MAX
+
+FP16_MAX = tl.constexpr(_FP16_MAX)  # fp16 scales and zeros saturate here (packing.quantize_groups)
+
 
 @triton.jit
 def _scale_zero_inv(mn, mx, QMAX: tl.constexpr, CACHE_DTYPE: tl.constexpr):
     """fp32 min/max -> (scale, zero) in the scale dtype and inv = 1/scale (0 where scale == 0), fp32. fp16
-    scales saturate at +-65,504 (packing.FP16_MAX): the codes of values past it clamp to the ends."""
+    scales saturate at +-FP16_MAX: the codes of values past it clamp to the ends."""
     if CACHE_DTYPE == tl.float16:
-        mn = tl.minimum(tl.maximum(mn, -65504.0), 65504.0)
-        mx = tl.minimum(tl.maximum(mx, -65504.0), 65504.0)
+        mn = tl.minimum(tl.maximum(mn, -FP16_MAX), FP16_MAX)
+        mx = tl.minimum(tl.maximum(mx, -FP16_MAX), FP16_MAX)
     scale = tl.math.div_rn(mx - mn, tl.full(mn.shape, QMAX, tl.float32)).to(CACHE_DTYPE)
     zero = mn.to(CACHE_DTYPE)
     scale_f = scale.to(tl.float32)

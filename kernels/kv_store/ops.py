@@ -11,6 +11,7 @@ import os
 import torch
 import triton
 
+from ..packing import expected_scale_dtype
 from .kernel import store_decode_kernel, store_prefill_kernel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,9 +67,7 @@ def check_store_args(key, value, rows, slots, block_table, k_codes, k_scale, k_z
     if not isinstance(k_codes, torch.Tensor) or k_codes.dim() != 4:
         raise ValueError(f"k_codes must be [N, H, P*kb/32, D], got {getattr(k_codes, 'shape', k_codes)}")
     N, S = k_codes.shape[0], block_table.shape[0]
-    # scales and zero points: the key's dtype, or fp16 (KiviConfig.scale_dtype)
-    sdt = getattr(k_scale, "dtype", None)
-    sdt = sdt if sdt in (dtype, torch.float16) else dtype
+    sdt = expected_scale_dtype(k_scale, dtype)
     pools = (
         ("k_codes", k_codes, (N, H, P * k_bits // 32, D), torch.int32),
         ("k_scale", k_scale, (N, H, P // G, D), sdt),
