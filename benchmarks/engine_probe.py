@@ -121,6 +121,7 @@ VARIANTS = {
     "separate": dict(fused_projections=False),  # q, k, v, gate and up as separate products
     "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
     "model-scales": dict(),  # KIVI scales and zeros in the model's dtype (KIVI_VARIANTS)
+    "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 

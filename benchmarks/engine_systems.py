@@ -224,6 +224,13 @@ def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, d
         kv_cache_gib=stats.get("kv_cache_bytes", 0) / GiB, kv_cache_bf16_equiv_gib=stats.get("kv_cache_bytes_bf16", 0)
         / GiB, request_errors=len(errors), first_request_error=errors[0] if errors else None,
         wrong_length_completions=short, mean_ttft_s=mean_ttft, sample_tokens=sample, engine_stats=stats,
+        decode_routes=_routes(engine),
     )
     del engine, completions
     return rec
+
+
+def _routes(engine) -> dict:
+    """Buckets whose decode steps ran in a wider graph (model_runner.route_buckets): {bucket: rows}."""
+    runner = getattr(engine, "runner", None)
+    return {str(b): w for b, w in runner.route.items() if w != b} if runner is not None else {}

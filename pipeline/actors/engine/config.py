@@ -19,6 +19,7 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
     cuda_graphs: bool = True
+    tune_buckets: bool = True  # with cuda_graphs: time wider graphs and run a bucket in the fastest (model_runner)
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
     decode_ahead: bool = True  # greedy batches: launch step i+1 before the host reads step i's tokens
     fused_projections: bool = True  # with fused_layers: one matmul for q/k/v and one for gate/up

@@ -88,10 +88,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_prefill_tokens)
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
-                                  max_len=self.max_model_len, layers=fused)
+                                  max_len=self.max_model_len, layers=fused, tune_buckets=cfg.tune_buckets)
         self.plan = plan
         self.build_s = time.perf_counter() - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
+        moved = {b: w for b, w in self.runner.route.items() if w != b}
+        if moved:
+            log.info("decode buckets run wider (bucket: rows): %s; graph ms by rows: %s", moved,
+                     {w: round(ms, 3) for w, ms in sorted(self.runner.widths_ms.items())})
 
     def _fused_layers(self) -> FusedLayers | None:
         model_type = getattr(self.model.config, "model_type", None)

@@ -1,0 +1,85 @@
+"""Decode-graph buckets of the model runner: the wider graphs a bucket may run in, and the routing by time."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pipeline.actors.engine.model_runner import batch_buckets, padded_widths, route_buckets
+
+
+@pytest.mark.parametrize("max_batch, widths", [(238, [240, 256]), (141, [144, 160, 176, 192]), (256, []),
+                                               (1, [16, 32, 48, 64]), (64, []), (65, [80, 96, 112, 128])])
+def test_padded_widths_reach_the_next_multiple_of_64(max_batch, widths):
+    assert padded_widths(max_batch) == widths
+
+
+def test_route_takes_a_wider_graph_only_when_clearly_faster():
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(200):
+        max_batch = rng.randrange(1, 300)
+        buckets = batch_buckets(max_batch)
+        widths = buckets + padded_widths(max_batch)
+        times = {w: rng.uniform(1.0, 2.0) for w in widths}
+        route = route_buckets(buckets, times, margin=0.03)
+        assert sorted(route) == buckets, seed
+        for bucket, width in route.items():
+            candidates = [w for w in widths if w >= bucket]
+            fastest = min(times[w] for w in candidates)
+            assert width in candidates, seed
+            if width == bucket:  # its own width: nothing wider beats it by more than the margin
+                assert fastest >= 0.97 * times[bucket], seed
+            else:  # a wider one: the fastest, and clearly faster than its own
+                assert times[width] == fastest and times[width] < 0.97 * times[bucket], seed
+
+
+def test_route_keeps_every_bucket_when_wider_graphs_are_slower():
+    buckets = batch_buckets(100)
+    times = {w: float(w) for w in buckets + padded_widths(100)}  # time grows with the width
+    assert route_buckets(buckets, times) == {b: b for b in buckets}
+
+
+def test_route_needs_a_graph_as_wide_as_each_bucket():
+    with pytest.raises(ValueError, match="bucket 100"):
+        route_buckets([16, 100], {16: 1.0, 32: 1.0})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs")
+def test_steps_in_wider_graphs_keep_the_tokens(monkeypatch):
+    """Every bucket forced into the widest graph (padding rows of length 0 beside the batch, up to 64 of them):
+    the same greedy tokens as each bucket at its own width (fp32 model, full-precision cache, as in the
+    fused-projections test: only rounding differences between matmul kernels could differ)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams, model_runner
+
+    config = LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    reqs = [Request(f"r{i}", torch.randint(0, 101, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=m))
+            for i, (n, m) in enumerate(zip([150, 300, 40, 220, 90], [40, 25, 60, 30, 50], strict=True))]
+
+    class Tok:
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    widest = lambda buckets, times: {b: max(times) for b in buckets}
+    outs, routes = [], []
+    for tune in (False, True):
+        if tune:
+            monkeypatch.setattr(model_runner, "route_buckets", widest)
+        torch.manual_seed(9)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").cuda().eval()
+        model.generation_config.eos_token_id = None
+        engine = LLMEngine(model, Tok(), EngineConfig(kivi=None, max_batch_size=3, tune_buckets=tune,
+                                                      max_prefill_tokens=1024, memory_limit_gib=4.0))
+        outs.append([c.token_ids for c in engine.generate(reqs)])
+        routes.append(dict(engine.runner.route))
+    assert routes[0] == {1: 1, 2: 2, 3: 3} and routes[1] == {1: 64, 2: 64, 3: 64}
+    assert outs[0] == outs[1]
