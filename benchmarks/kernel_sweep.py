@@ -234,19 +234,21 @@ NCU_VARIANTS = [
 ]
 
 
-def ncu_main():
-    """Each NCU_VARIANTS entry once to warm up, then once more (profile with --launch-skip/count = len)."""
+def ncu_main(mma: bool = False, B: int = 64, L: int = 4096):
+    """Each NCU_VARIANTS entry (with mma, the tensor-core kernel alone) once to warm up, then once more (profile
+    with --launch-skip/count = the number of variants)."""
     from kivi_data import kivi_args, make_kivi_sets
 
-    B, L, Hq, H = 64, 4096, 32, 32
+    Hq, H = 32, 32
+    variants = [("new", dict(mma=True))] if mma else NCU_VARIANTS
     data = make_kivi_sets(B, L, Hq, H, D, 2, 2, DTYPE, torch.device("cuda"), 1, seed=3)
     ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128)
     for _ in range(2):
-        for impl, tuning in NCU_VARIANTS:
+        for impl, tuning in variants:
             t = resolve(impl, B, L, Hq, H, tuning)
             call_fn(impl)(data["sets"][0]["q"], *kivi_args(data, 0), **ints, **t)
         torch.cuda.synchronize()
-    print("ncu variants:", [(i, resolve(i, B, L, Hq, H, t)) for i, t in NCU_VARIANTS])
+    print("ncu variants:", [(i, resolve(i, B, L, Hq, H, t)) for i, t in variants])
 
 
 def main():
@@ -255,10 +257,15 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--ncu-mma", default=None, metavar="B,L", help="with --ncu: the tensor-core kernel at B rows of L")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args()
     if args.ncu:
-        ncu_main()
+        if args.ncu_mma:
+            B, L = (int(x) for x in args.ncu_mma.split(","))
+            ncu_main(mma=True, B=B, L=L)
+        else:
+            ncu_main()
         return
     from common import copy_bandwidth, env_header
     from gpu_timing import l2_bytes

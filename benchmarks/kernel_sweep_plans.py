@@ -112,6 +112,12 @@ def plan(name: str):
             (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
             (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
             (1, 131072, 32, 8)]]
+    if name == "natural":  # the mma kernel's value words: version 15's transposed 4-byte copies against 16-byte ones
+        both = [("new", 2, dict(mma=True, natural_values=False)), ("new", 2, dict(mma=True))]
+        return [((B, L, Hq, H), both) for B, L, Hq, H in [
+            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
+            (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
+            (1, 131072, 32, 8), (92, 1280, 32, 32), (238, 330, 32, 32)]]
     if name == "ring":  # ring-heavy engine shapes (the full-precision residual is 40-100% of the bytes)
         mma = [("new", 2, dict(mma=True))]
         return [((B, L, 32, H), mma) for B, L, H in [

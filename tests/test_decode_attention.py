@@ -331,6 +331,14 @@ def test_mma_kernel_with_three_stages_matches_reference(case: Case):
     check_against_reference(case, TOL[case.dtype], mma=True, num_stages=3)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
+def test_mma_kernel_with_transposed_value_copies_matches_reference(case: Case):
+    """natural_values=False: version 15's 4-byte transposed copies of the value words (the default copies them
+    as they lie, in 16-byte pieces)."""
+    check_against_reference(case, TOL[case.dtype], mma=True, natural_values=False)
+
+
 @pytest.mark.parametrize("mma", [None, True], ids=["default", "mma"])
 def test_wide_groups_with_fp16_scales_stay_finite(mma):
     """A bf16 cache whose groups span up to ~1e5 (past fp16's range: some fp16 scales and zeros saturate at
@@ -386,9 +394,12 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     splits = grid[2]
     assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
     assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
-    assert kw["STAGES"] == ops_mma.MMA_STAGES
-    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3)
-    assert calls[-1][2]["STAGES"] == 3
+    assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_NATURAL"] == ops_mma.MMA_NATURAL_VALUES
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, natural_values=False)
+    assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_NATURAL"] is False
+    padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
+    ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, natural_values=True)
+    assert calls[-1][2]["V_NATURAL"] is False  # the natural copy needs each token's 8 words in a row
     with pytest.raises(ValueError, match="num_stages"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=4)
     assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace

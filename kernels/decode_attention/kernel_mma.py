@@ -55,7 +55,7 @@ from .kernel_mma_frag import (
     _value_scale_chunks,
     _value_zeros,
 )
-from .kernel_mma_stage import _allocate_stages, _issue_block
+from .kernel_mma_stage import _allocate_stages, _issue_block, _value_words
 
 
 @gluon.jit
@@ -110,7 +110,7 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr):
+def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_NATURAL: gl.constexpr):
     """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
     z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
     8 j + nn."""
@@ -119,26 +119,26 @@ def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.cons
     if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
         p_t = p_t.to(gl.float16)
     vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
-    acc0 = _value_chunk(p_t, vs0, vw.index(4 * st), acc0 * alpha_c)
-    acc1 = _value_chunk(p_t, vs1, vw.index(4 * st + 1), acc1 * alpha_c)
-    acc2 = _value_chunk(p_t, vs2, vw.index(4 * st + 2), acc2 * alpha_c)
-    acc3 = _value_chunk(p_t, vs3, vw.index(4 * st + 3), acc3 * alpha_c)
+    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_NATURAL), acc0 * alpha_c)
+    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_NATURAL), acc1 * alpha_c)
+    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_NATURAL), acc2 * alpha_c)
+    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_NATURAL), acc3 * alpha_c)
     p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
     z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
     return acc0, acc1, acc2, acc3, z
 
 
 @gluon.jit
-def _value_chunk(p_t, vs, vw, acc):
-    """acc [32, 8] + codes of one chunk (vw its stage's words) x (p v_scale)^T; vs [8 nn, 8 j] its scales (p_t
-    fp16 with fp16 scales, else fp32)."""
+def _value_chunk(p_t, vs, words, acc):
+    """acc [32, 8] + codes of one chunk (words [2, 64] its value words) x (p v_scale)^T; vs [8 nn, 8 j] its scales
+    (p_t fp16 with fp16 scales, else fp32)."""
     if p_t.dtype == gl.float16:
         p_b, vs_b = gl.broadcast(p_t, vs[:, :, None])
         p_g = _hmul2(p_b, vs_b)
     else:
         p_g = (p_t * vs[:, :, None]).to(gl.float16)
     p_g = gl.convert_layout(p_g.reshape([64, 8]), _OP_B, assert_trivial=True)
-    return mma_v2(_value_codes(vw), p_g, acc)
+    return mma_v2(_value_codes(words), p_g, acc)
 
 
 @gluon.jit
@@ -177,7 +177,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2,
+    STAGES: gl.constexpr = 2, V_NATURAL: gl.constexpr = True,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's
@@ -211,12 +211,12 @@ def _decode_attention_mma_kernel(
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     if lo < n_end:
-        kw, ks, kz, vw, vs, vz = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP, STAGES)
+        kw, ks, kz, vw, vs, vz = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP, STAGES, V_NATURAL)
         for pre in gl.static_range(STAGES - 1):
             _issue_block(kw, ks, kz, vw, vs, vz, pre, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h,
                          lo + pre, n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n,
                          stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t,
-                         GROUP, PAGE)
+                         GROUP, PAGE, V_NATURAL)
         for blk in range(lo, n_end):
             st = (blk - lo) % STAGES
             # into the stage block blk - 1 was read from (its reads ended with that step's products)
@@ -227,13 +227,13 @@ def _decode_attention_mma_kernel(
             _issue_block(kw, ks, kz, vw, vs, vz, nxt, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
                          vs_ptr, vz_ptr, bt_row, h, blk + STAGES - 1, n_end, nq, stride_kc_n, stride_kc_h,
                          stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w,
-                         stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE)
+                         stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_NATURAL)
             cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
             s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
             p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
             acc0, acc1, acc2, acc3, z = _value_step(
                 p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2, acc3, z,
-                128 // GROUP)
+                128 // GROUP, V_NATURAL)
         cp.wait_group(0)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
     r0 = gl.zeros([32, 8], gl.float32, _MMA)

@@ -11,7 +11,7 @@ conversion to an operand layout is asserted trivial (no data movement).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .kernel_mma_stage import _RD_KS, _RD_KW, _RD_KZ, _RD_VS1, _RD_VS2, _RD_VS4, _RD_VW
+from .kernel_mma_stage import _RD_KS, _RD_KW, _RD_KZ, _RD_VS1, _RD_VS2, _RD_VS4
 
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 _OP_A = gl.constexpr(gl.DotOperandLayout(0, _MMA, 2))
@@ -163,10 +163,9 @@ def _key_zeros(kz):
 
 
 @gluon.jit
-def _value_codes(vw):
-    """A operand [32 rho, 64 k] fp16 of channels 32 g + 4 r + i (rho = 8 i + r) from a stage's value words vw
-    [2, 64 tokens] of chunk g (words 2 g, 2 g + 1); column k = 2 kp + b is token 16 (kp % 4) + 8 b + kp // 4."""
-    words = vw.load(_RD_VW)  # [2 rh, 64 tokens]: word 2 g + rh
+def _value_codes(words):
+    """A operand [32 rho, 64 k] fp16 of channels 32 g + 4 r + i (rho = 8 i + r) from value words [2 rh, 64 tokens]
+    (word 2 g + rh, in _RD_VW) of chunk g; column k = 2 kp + b is token 16 (kp % 4) + 8 b + kp // 4."""
     words = words.reshape([2, 4, 2, 8]).permute(0, 3, 1, 2).reshape([2, 32, 2])  # [rh, kp, b]
     w0, w1 = gl.split(words)  # [2 rh, 32 kp]: tokens t and t + 8 of the pair
     w0 = gl.convert_layout(w0, gl.SliceLayout(1, _VW), assert_trivial=True)[:, None, :]

@@ -3,11 +3,18 @@ scales and zeros arrive by cp.async while block blk's math runs (kernel_notes.md
 register prefetches). Only @gluon.jit code and layout constants.
 
 Each of the STAGES stages (2, or 3 for two blocks in flight) holds, for one 64-token block of one KV head:
-key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves [2, 128], value words
-transposed [4 chunks, 2 words, 64 tokens] (4-byte copies, so that a lane reads 16 consecutive tokens of one
-word in 16-byte loads), value scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane
-group's 16 tokens). The readers load each stage in a layout whose lanes
-match the operands' (kernel_mma_frag.py) and reshape in registers.
+key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves [2, 128], value words, value
+scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane group's 16 tokens). The readers
+load each stage in a layout whose lanes match the operands' (kernel_mma_frag.py) and reshape in registers.
+
+Value words, two ways (V_NATURAL):
+- transposed [4 chunks, 2 words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16 consecutive
+  tokens of one word in 16-byte loads. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes: ncu put
+  73% of the kernel's global sector requests and most of its excess shared wavefronts there.
+- natural (version 17): the block's 2 KiB as they lie in global memory, in 16-byte pieces (4 copies a lane,
+  each warp-wide copy 512 contiguous bytes), stored as [2 units c, 16 rows, 16]: unit c holds words 4 c .. 4 c
+  + 3, row rho and column 4 u + w hold token 4 rho + u, word 4 c + w; 16-byte units swizzled by rho // 4 so
+  that the reader's 4-byte loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks.
 """
 
 from triton.experimental import gluon
@@ -36,6 +43,15 @@ _RD_KZ = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128]: lane 16 pick
 _RD_VW = gl.constexpr(gl.DistributedLinearLayout(  # [2 rh, 64 tokens]: token 16 a + e, word 2 g + rh
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 16], [0, 32], [0, 0], [0, 0], [1, 0]],
     warp_bases=[], block_bases=[], shape=[2, 64]))
+# natural value words [32 (c, rho), 16]: 16-byte pieces, lanes over the 4 units of 4 rows and both c (512
+# contiguous bytes per copy), registers over 4 row steps
+_CP_VN = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [16, 0]],
+    warp_bases=[], block_bases=[], shape=[32, 16]))
+# ... read [16 rho, 16] of one unit: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e (e in registers)
+_RD_VN = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [0, 2]], lane_bases=[[4, 0], [8, 0], [0, 0], [0, 0], [0, 1]],
+    warp_bases=[], block_bases=[], shape=[16, 16]))
 # value scales [4 a, 16 NG]: element NG t + g of row a is token 16 a + t, group g
 _RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1 << i] for i in range(k + 4)], lane_bases=[[1, 0], [2, 0], [0, 0], [0, 0], [0, 0]],
@@ -43,12 +59,15 @@ _RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr):
+def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, V_NATURAL: gl.constexpr):
     """STAGES stages of every buffer: (kw, ks, kz, vw, vs, vz), 6 KiB a stage."""
     kw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    if V_NATURAL:
+        vw = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
+    else:
+        vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     VS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
     vs = gl.allocate_shared_memory(ks_ty, [STAGES, 4, 16 * NG], VS)
     vz = gl.allocate_shared_memory(ks_ty, [STAGES, 4, 16 * NG], VS)
@@ -59,7 +78,7 @@ def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr
 def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
                  n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
                  stride_vs_h, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
-                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr):
+                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, V_NATURAL: gl.constexpr):
     """cp.async of packed block blk (KV head h) into `stage`, one commit group. Scales and zeros of tokens past
     nq arrive as zeros (their rows may hold anything)."""
     NG: gl.constexpr = 128 // GROUP
@@ -78,12 +97,20 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
     s_mask = (32 * offs_half < n_valid)[:, None] & (offs_sc < 128)[None, :]
     _async_load(ks.index(stage), ks_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     _async_load(kz.index(stage), kz_ptr + s_offs + offs_sc[None, :], mask=s_mask)
-    # value words, transposed: [2 words, 64 tokens] for each 32-channel chunk g (words 2 g, 2 g + 1)
-    offs_w = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_VW))
-    offs_t = gl.arange(0, 64, layout=gl.SliceLayout(0, _CP_VW))
-    v_ptrs = vc_ptr + page * stride_vc_n + h * stride_vc_h + (off + offs_t)[None, :] * stride_vc_t + offs_w[:, None]
-    for g in gl.static_range(4):
-        _async_load(vw.index(4 * stage + g), v_ptrs + 2 * g)
+    vc_page = vc_ptr + page * stride_vc_n + h * stride_vc_h
+    if V_NATURAL:  # value words as they lie: element (16 c + rho, 4 u + w) is token 4 rho + u, word 4 c + w
+        gl.static_assert(stride_vc_t == 8)  # 128 channels at 2 bits: a block's words are 2 KiB in a row
+        offs_r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CP_VN))
+        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP_VN))
+        tok = off + 4 * (offs_r % 16)[:, None] + (offs_col // 4)[None, :]
+        _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * (offs_r // 16))[:, None]
+                    + (offs_col % 4)[None, :])
+    else:  # transposed: [2 words, 64 tokens] for each 32-channel chunk g (words 2 g, 2 g + 1)
+        offs_w = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_VW))
+        offs_t = gl.arange(0, 64, layout=gl.SliceLayout(0, _CP_VW))
+        v_ptrs = vc_page + (off + offs_t)[None, :] * stride_vc_t + offs_w[:, None]
+        for g in gl.static_range(4):
+            _async_load(vw.index(4 * stage + g), v_ptrs + 2 * g)
     # value scales and zeros [4, 16 NG]: row a holds tokens 16 a .. 16 a + 15
     CP_VS: gl.constexpr = gl.BlockedLayout([1, 2 * NG], [4, 8], [1, 1], [1, 0])  # no lane holds a copy twice
     offs_a = gl.arange(0, 4, layout=gl.SliceLayout(1, CP_VS))
@@ -96,3 +123,16 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
     _async_load(vs.index(stage), (vs_ptr + v_page) + v_offs, mask=v_mask)
     _async_load(vz.index(stage), (vz_ptr + v_page) + v_offs, mask=v_mask)
     cp.commit_group()
+
+
+@gluon.jit
+def _value_words(vw, st, g: gl.constexpr, V_NATURAL: gl.constexpr):
+    """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW."""
+    if V_NATURAL:
+        x = vw.index(st).slice(16 * (g // 2), 16, dim=0).load(_RD_VN)  # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
+        x = x.reshape([2, 2, 2, 2, 2, 2, 2, 2]).permute(7, 0, 1, 2, 3, 4, 5, 6).reshape([2, 64, 2])
+        w_even, w_odd = gl.split(x)  # words 2 (2 c) + rh and 2 (2 c + 1) + rh, token 16 a + e
+        w = w_even if g % 2 == 0 else w_odd
+        return gl.convert_layout(w, _RD_VW, assert_trivial=True)
+    else:
+        return vw.index(4 * st + g).load(_RD_VW)

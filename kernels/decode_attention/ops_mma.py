@@ -24,7 +24,8 @@ _OP = "decode_attention"
 # B=128, L=1,152: 222 vs 265); uncapped registers were as fast as caps of 208 or 232 and faster than 168
 MMA_MAXNREG = 255  # register cap per thread of the one-warp programs (255: no spills, 8 per SM)
 MMA_PER_SM = 16  # programs per SM its split count aims for (16 was 0-3% faster than 24 and 32 in that sweep)
-MMA_STAGES = 2  # cp.async stages of the packed loop (3: two blocks in flight; not measured yet)
+MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
+MMA_NATURAL_VALUES = True  # value words copied as they lie, in 16-byte pieces (version 17; False: version 15's)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
@@ -53,19 +54,24 @@ def _blocks_aligned(t: torch.Tensor) -> bool:
 
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-               maxnreg=None, stages=None) -> torch.Tensor:
+               maxnreg=None, stages=None, natural_values=None) -> torch.Tensor:
     """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
-    memory a program instead of 12)."""
+    memory a program instead of 12). natural_values: value words copied in 16-byte pieces as they lie (True) or
+    transposed in 4-byte pieces (False, version 15); MMA_NATURAL_VALUES by default, where each token's 8 words are
+    contiguous."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
     stages = MMA_STAGES if stages is None else stages
+    natural_values = MMA_NATURAL_VALUES if natural_values is None else bool(natural_values)
+    natural_values = natural_values and v_codes.stride(2) == 8  # a block's words in a row (else version 15's copy)
     C.check_int(_OP, "num_stages", stages, (2, 3))
     num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM)
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
         QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
+        V_NATURAL=natural_values,
         num_warps=1, maxnreg=maxnreg,
     )
