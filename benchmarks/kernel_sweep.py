@@ -58,11 +58,15 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
 
     if t.get("mma") or t.get("fma"):  # the Gluon kernels (kernel_mma.py, kernel_gluon.py): only the split count
         from kernels.decode_attention import common as C  # (and register cap, block size) apply
-        from kernels.decode_attention.ops_mma import MMA_PER_SM
+        from kernels.decode_attention.ops_mma import MMA_PER_SM, MMA_RESIDENT
 
-        per_sm = t.pop("per_sm", MMA_PER_SM if t.get("mma") else FMA_PER_SM)
-        t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"),
-                                                       programs_per_sm=per_sm, max_splits=MAX_SPLITS))
+        per_sm = t.pop("per_sm", None)
+        dev = torch.device("cuda")
+        if t.get("mma") and per_sm is None and MMA_RESIDENT is not None:  # the launcher's default: whole waves
+            t.setdefault("num_splits", C.wave_splits(B * H, max_tokens, MMA_RESIDENT * C.num_sms(dev), MAX_SPLITS))
+        per_sm = per_sm or (MMA_PER_SM if t.get("mma") else FMA_PER_SM)
+        t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, dev, programs_per_sm=per_sm,
+                                                       max_splits=MAX_SPLITS))
         return t
 
     cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits,

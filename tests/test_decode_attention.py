@@ -548,6 +548,29 @@ def test_choose_num_splits():
     assert choose_num_splits(8 * 8, 4096, cpu) == 5
 
 
+def test_wave_splits_fill_whole_waves():
+    """wave_splits: the fewest splits whose waves of `slots` programs are within 5% of the ideal programs / slots
+    (on random calls), and the example of its docstring (512 programs, 1,056 slots: 2 splits, one wave)."""
+    import math
+    import random
+
+    from kernels.decode_attention.common import MIN_TOKENS_PER_SPLIT, wave_splits
+
+    assert wave_splits(512, 4352, 1056, 128) == 2
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(300):
+        programs, max_tokens = rng.randrange(1, 5000), rng.randrange(64, 140_000)
+        slots, max_splits = rng.choice([528, 1056, 1584]), rng.choice([32, 128])
+        splits = wave_splits(programs, max_tokens, slots, max_splits)
+        cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
+        fits = lambda s, p=programs, n=slots: math.ceil(p * s / n) / s <= 1.05 * p / n
+        assert 1 <= splits <= cap, seed
+        assert splits == cap or fits(splits), seed
+        assert not any(fits(s) for s in range(1, splits)), seed
+
+
 def test_kernels_compile_for_h200():
     from kernels.decode_attention import ops_fma, ops_mma
     from tests.compile_util import compile_for_sm90_many

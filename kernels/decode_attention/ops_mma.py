@@ -23,7 +23,10 @@ _OP = "decode_attention"
 # 74 vs 135; B=1, L=131,072: 56 vs 116), and on 32/32 heads 1.14-1.19x the FMA kernel (B=64, L=4,096: 356 vs 405;
 # B=128, L=1,152: 222 vs 265); uncapped registers were as fast as caps of 208 or 232 and faster than 168
 MMA_MAXNREG = 255  # register cap per thread of the one-warp programs (255: no spills, 8 per SM)
-MMA_PER_SM = 16  # programs per SM its split count aims for (16 was 0-3% faster than 24 and 32 in that sweep)
+MMA_PER_SM = 16  # programs per SM the split count aimed for before MMA_RESIDENT (16 was 0-3% faster than 24, 32)
+# programs an SM holds (208-220 registers: 2 warps per scheduler, ncu's "block limit registers"); the split
+# count fills whole waves of them (common.wave_splits). None: aim at MMA_PER_SM programs per SM instead.
+MMA_RESIDENT: int | None = 8
 MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
 MMA_NATURAL_VALUES = True  # value words copied as they lie, in 16-byte pieces (version 17; False: version 15's)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
@@ -67,7 +70,8 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     natural_values = MMA_NATURAL_VALUES if natural_values is None else bool(natural_values)
     natural_values = natural_values and v_codes.stride(2) == 8  # a block's words in a row (else version 15's copy)
     C.check_int(_OP, "num_stages", stages, (2, 3))
-    num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM)
+    num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM,
+                                   resident=MMA_RESIDENT if maxnreg > 168 else None)
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
