@@ -125,6 +125,10 @@ def plan(name: str):
             (8, 4096, 32, 32), (8, 32768, 32, 32), (64, 4096, 32, 8), (64, 32768, 32, 8), (8, 4096, 32, 8),
             (256, 4096, 32, 32), (1, 131072, 32, 8), (141, 1152, 32, 32), (92, 1280, 32, 32), (238, 330, 32, 32),
             (64, 4096, 32, 32)]]
+    if name == "waves2":  # the rule's second form: unsplit from a wave of programs up (B=256 32/8: 2 -> 1)
+        both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
+        return [((B, L, Hq, H), both) for B, L, Hq, H in [
+            (256, 4096, 32, 8), (64, 32768, 32, 32), (141, 1152, 32, 32), (64, 4096, 32, 8)]]
     if name == "ring":  # ring-heavy engine shapes (the full-precision residual is 40-100% of the bytes)
         mma = [("new", 2, dict(mma=True))]
         return [((B, L, 32, H), mma) for B, L, H in [

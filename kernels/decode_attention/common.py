@@ -95,7 +95,12 @@ def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, sla
     in 3 waves of 1,056 slots at 1/5 of a row each (0.6 of a row), in 2 splits in one wave (0.5).
 
     programs: B * H programs without splitting; max_tokens as in choose_num_splits (each split keeps at least
-    MIN_TOKENS_PER_SPLIT tokens)."""
+    MIN_TOKENS_PER_SPLIT tokens). At least a wave of programs without splitting stays unsplit: there the
+    split holding the ring (several blocks' worth of bytes) and the merge cost more than the last wave's tail
+    (kernels-20261130-h200-sweep-waves.json: 141 rows of 1,152 tokens, 32 heads, took 236 us unsplit, 244 in
+    3 splits)."""
+    if programs >= slots:
+        return 1
     cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
     ideal = programs / slots
     for splits in range(1, cap + 1):
