@@ -129,6 +129,9 @@ def plan(name: str):
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
         return [((B, L, Hq, H), both) for B, L, Hq, H in [
             (256, 4096, 32, 8), (64, 32768, 32, 32), (141, 1152, 32, 32), (64, 4096, 32, 8)]]
+    if name == "waves3":  # batch 1, 32 KV heads: 66 splits (16 programs per SM) against 32 (one whole wave)
+        both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
+        return [((1, 131072, 32, 32), both), ((1, 32768, 32, 32), both)]
     if name == "ring":  # ring-heavy engine shapes (the full-precision residual is 40-100% of the bytes)
         mma = [("new", 2, dict(mma=True))]
         return [((B, L, 32, H), mma) for B, L, H in [

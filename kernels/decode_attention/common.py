@@ -95,12 +95,10 @@ def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, sla
     in 3 waves of 1,056 slots at 1/5 of a row each (0.6 of a row), in 2 splits in one wave (0.5).
 
     programs: B * H programs without splitting; max_tokens as in choose_num_splits (each split keeps at least
-    MIN_TOKENS_PER_SPLIT tokens). At least a wave of programs without splitting stays unsplit: there the
-    split holding the ring (several blocks' worth of bytes) and the merge cost more than the last wave's tail
-    (kernels-20261130-h200-sweep-waves.json: 141 rows of 1,152 tokens, 32 heads, took 236 us unsplit, 244 in
-    3 splits)."""
-    if programs >= slots:
-        return 1
+    MIN_TOKENS_PER_SPLIT tokens). Meant for calls of less than a wave of programs: from a wave up it lost to
+    choose_num_splits (kernels-20261130-h200-sweep-waves.json: 141 rows of 1,152 tokens, 32 heads, took 236 us
+    unsplit, 244 in its 3 splits; 92 rows of 1,280, 163 against 182 in 5) or the two were within noise
+    (-sweep-waves2.json: 2,048 programs unsplit 5% faster at L=4,096, 8 KV heads, 5.6% slower at L=32,768)."""
     cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
     ideal = programs / slots
     for splits in range(1, cap + 1):
@@ -163,9 +161,9 @@ def one_warp_launch(op: str, maxnreg: int, num_splits: int | None, rows: int, ma
                     device: torch.device, per_sm: int, resident: int | None = None) -> int:
     """Checks of a launch of one-warp programs (the Gluon kernels): a register cap ptxas takes (multiples of 8,
     or 255), and the split count when None (rows = batch x KV heads): for whole waves of `resident` programs
-    per SM (wave_splits) when given, else for `per_sm` programs per SM."""
+    per SM (wave_splits) when given and the rows are less than a wave, else for `per_sm` programs per SM."""
     check_int(op, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
-    if num_splits is None and resident is not None:
+    if num_splits is None and resident is not None and rows < resident * num_sms(device):  # under a wave
         num_splits = wave_splits(rows, max_tokens, resident * num_sms(device), ONE_WARP_MAX_SPLITS)
     elif num_splits is None:
         num_splits = choose_num_splits(rows, max_tokens, device, programs_per_sm=per_sm,
