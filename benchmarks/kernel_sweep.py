@@ -62,12 +62,13 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
 
         per_sm = t.pop("per_sm", None)
         dev = torch.device("cuda")
-        slots = (MMA_RESIDENT or 0) * C.num_sms(dev)
-        if t.get("mma") and per_sm is None and B * H < slots:  # the launcher's default under a wave: whole waves
-            t.setdefault("num_splits", C.wave_splits(B * H, max_tokens, slots, MAX_SPLITS))
+        default = per_sm is None
         per_sm = per_sm or (MMA_PER_SM if t.get("mma") else FMA_PER_SM)
-        t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, dev, programs_per_sm=per_sm,
-                                                       max_splits=MAX_SPLITS))
+        splits = C.choose_num_splits(B * H, max_tokens, dev, programs_per_sm=per_sm, max_splits=MAX_SPLITS)
+        slots = (MMA_RESIDENT or 0) * C.num_sms(dev)
+        if t.get("mma") and default and B * H < slots:  # the launcher's default under a wave: whole waves
+            splits = C.wave_splits(B * H, max_tokens, slots, MAX_SPLITS, splits)
+        t.setdefault("num_splits", splits)
         return t
 
     cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits,

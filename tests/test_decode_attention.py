@@ -549,23 +549,27 @@ def test_choose_num_splits():
 
 
 def test_wave_splits_fill_whole_waves():
-    """wave_splits: the fewest splits whose waves of `slots` programs are within 5% of the ideal programs / slots
-    (on random calls), and the example of its docstring (512 programs, 1,056 slots: 2 splits, one wave)."""
+    """wave_splits: the preferred count where its waves of `slots` programs are within 5% of the ideal programs /
+    slots, else the fewest counts that are (on random calls), and the example of its docstring (512 programs,
+    1,056 slots: 2 splits, one wave, instead of 5)."""
     import math
     import random
 
     from kernels.decode_attention.common import MIN_TOKENS_PER_SPLIT, wave_splits
 
-    assert wave_splits(512, 4352, 1056, 128) == 2
+    assert wave_splits(512, 4352, 1056, 128, 5) == 2 and wave_splits(512, 4352, 1056, 128, 4) == 4
     rng = random.Random()
     seed = rng.randrange(2**31)
     rng.seed(seed)
     for _ in range(300):
         programs, max_tokens = rng.randrange(1, 5000), rng.randrange(64, 140_000)
-        slots, max_splits = rng.choice([528, 1056, 1584]), rng.choice([32, 128])
-        splits = wave_splits(programs, max_tokens, slots, max_splits)
+        slots, max_splits, preferred = rng.choice([528, 1056, 1584]), rng.choice([32, 128]), rng.randrange(1, 40)
+        splits = wave_splits(programs, max_tokens, slots, max_splits, preferred)
         cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
         fits = lambda s, p=programs, n=slots: math.ceil(p * s / n) / s <= 1.05 * p / n
+        if fits(preferred):
+            assert splits == preferred, seed
+            continue
         assert 1 <= splits <= cap, seed
         assert splits == cap or fits(splits), seed
         assert not any(fits(s) for s in range(1, splits)), seed
