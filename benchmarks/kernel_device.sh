@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call (600 s) that checks the decode-attention kernels on the GPU and measures what the notes left
+# open (kernel_notes.md, versions 17 and 17b):
+#
+#   bash benchmarks/kernel_device.sh            # results under $OUT (or /tmp/kernel-device)
+#
+# 1. The decode-attention GPU tests (the tensor-core kernel with both value copies, stages, the launcher's
+#    defaults), at most 150 s; log in $OUT/gpu-tests.log.
+# 2. ncu of the tensor-core kernel alone at B=64, L=4,096, 32/32 and 32/8 heads: details pages and a summary
+#    of the per-instruction counters (ncu_summary.py), to see what binds after version 17.
+# 3. kernel_sweep plan waves3 (batch 1 at 32 KV heads: 66 splits against one whole wave of 32).
+# 4. bench_kernels --only attention (the README's table), then bench_engine Llama-2-7B b and e at 40 GiB,
+#    engine-bf16 and engine-kivi-2, $WINDOW_S-second windows (default 30), inside what is left of 570 s.
+set -uo pipefail
+OUT=${OUT:-/tmp/kernel-device}
+WINDOW_S=${WINDOW_S:-30}
+BUDGET_S=570
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py \
+    -k "mma or wide_groups or launcher or wave" > "$OUT/gpu-tests.log" 2>&1
+echo "GPU tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
+
+for shape in "64,4096,32" "64,4096,8"; do
+    IFS=, read -r b l kv <<< "$shape"
+    name="mma-b$b-l$l-kv$kv"
+    timeout 60 ncu --clock-control none -k regex:_decode_attention_mma_kernel --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section SourceCounters -o "$OUT/$name" \
+        python3 benchmarks/kernel_sweep.py --ncu --ncu-mma "$b,$l" --ncu-kv-heads "$kv" > "$OUT/$name.log" 2>&1
+    ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name-details.txt" 2>&1
+    ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name-sass.csv" 2>&1
+    python3 benchmarks/ncu_summary.py "$OUT/$name-sass.csv" > "$OUT/$name-summary.json"
+    rm -f "$OUT/$name-sass.csv" "$OUT/$name.ncu-rep"
+    echo "ncu $name: $(grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput" "$OUT/$name-details.txt" | tr -s ' ' | tr '\n' ';')"
+done
+
+timeout 60 python3 benchmarks/kernel_sweep.py --plan waves3 --no-sdpa --workers 4 --out "$OUT/waves3.json" 2>&1 \
+    | grep -A4 "best per" | cut -c1-200
+timeout 120 python3 benchmarks/bench_kernels.py --only attention --out "$OUT/kernels.json" 2>&1 | tail -n 2 | cut -c1-300
+
+left=$((BUDGET_S - SECONDS))
+python3 benchmarks/bench_engine.py --models llama2-7b --caps 40 --workloads b,e --systems engine-bf16,engine-kivi-2 \
+    --max-seconds "$WINDOW_S" --budget-seconds "$left" --out "$OUT/engine.json" 2>&1 | grep -v "^{" | tail -n 6 \
+    | cut -c1-250
