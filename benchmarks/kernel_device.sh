@@ -8,12 +8,12 @@
 #    defaults), at most 150 s; log in $OUT/gpu-tests.log.
 # 2. ncu of the tensor-core kernel alone at B=64, L=4,096, 32/32 and 32/8 heads: details pages and a summary
 #    of the per-instruction counters (ncu_summary.py), to see what binds after version 17.
-# 3. kernel_sweep plan waves3 (batch 1 at 32 KV heads: 66 splits against one whole wave of 32).
-# 4. bench_kernels --only attention (the README's table), then bench_engine Llama-2-7B b and e at 40 GiB,
-#    engine-bf16 and engine-kivi-2, $WINDOW_S-second windows (default 30), inside what is left of 570 s.
+# 3. kernel_sweep plan ahead (version 18, the next block's scores beside this block's values, against 2 and 3
+#    stages), then plan waves3 (batch 1 at 32 KV heads: 66 splits against one whole wave of 32).
+# 4. bench_kernels --only attention (the README's table), in what is left of 570 s.
+# The engine's A/B is a second call: VARIANTS=... bash benchmarks/engine_device.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/kernel-device}
-WINDOW_S=${WINDOW_S:-30}
 BUDGET_S=570
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -36,11 +36,10 @@ for shape in "64,4096,32" "64,4096,8"; do
     echo "ncu $name: $(grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput" "$OUT/$name-details.txt" | tr -s ' ' | tr '\n' ';')"
 done
 
-timeout 60 python3 benchmarks/kernel_sweep.py --plan waves3 --no-sdpa --workers 4 --out "$OUT/waves3.json" 2>&1 \
+timeout 100 python3 benchmarks/kernel_sweep.py --plan ahead --no-sdpa --workers 8 --out "$OUT/ahead.json" 2>&1 \
+    | grep -A14 "best per" | cut -c1-200
+timeout 45 python3 benchmarks/kernel_sweep.py --plan waves3 --no-sdpa --workers 4 --out "$OUT/waves3.json" 2>&1 \
     | grep -A4 "best per" | cut -c1-200
-timeout 120 python3 benchmarks/bench_kernels.py --only attention --out "$OUT/kernels.json" 2>&1 | tail -n 2 | cut -c1-300
-
 left=$((BUDGET_S - SECONDS))
-python3 benchmarks/bench_engine.py --models llama2-7b --caps 40 --workloads b,e --systems engine-bf16,engine-kivi-2 \
-    --max-seconds "$WINDOW_S" --budget-seconds "$left" --out "$OUT/engine.json" 2>&1 | grep -v "^{" | tail -n 6 \
-    | cut -c1-250
+timeout "$left" python3 benchmarks/bench_kernels.py --only attention --out "$OUT/kernels.json" 2>&1 | tail -n 2 \
+    | cut -c1-300

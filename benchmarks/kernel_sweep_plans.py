@@ -132,6 +132,13 @@ def plan(name: str):
     if name == "waves3":  # batch 1, 32 KV heads: 66 splits (16 programs per SM) against 32 (one whole wave)
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
         return [((1, 131072, 32, 32), both), ((1, 32768, 32, 32), both)]
+    if name == "ahead":  # version 18: the next block's scores beside this block's values (3 stages) against 2 and 3
+        vs = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3)),
+              ("new", 2, dict(mma=True, score_ahead=True))]
+        return [((B, L, Hq, H), vs) for B, L, Hq, H in [
+            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
+            (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
+            (1, 131072, 32, 8), (92, 1280, 32, 32)]]
     if name == "ring":  # ring-heavy engine shapes (the full-precision residual is 40-100% of the bytes)
         mma = [("new", 2, dict(mma=True))]
         return [((B, L, 32, H), mma) for B, L, H in [

@@ -25,37 +25,17 @@ Fragment layouts (NVMMA v2, one warp; lane = 4 r + a):
             value word 2 g + r // 4, code i); column k = 8 nn + j is token 8 j + nn, as for the scores, so the
             probabilities pass from the scores' accumulator to the values' B operand without any data movement.
 The residual ring (full precision) takes the same mma path with its own operands and accumulators. Packed
-blocks arrive by cp.async in two shared-memory stages (kernel_mma_stage.py) while the previous block computes.
+blocks arrive by cp.async in shared-memory stages (kernel_mma_stage.py) while the previous block computes; the
+loop over them is kernel_mma_loop.py.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .kernel_gluon_step import _work_range
-from .kernel_mma_frag import (
-    _COLS,
-    _MMA,
-    _OP_A,
-    _OP_B,
-    _P3,
-    _Q8,
-    _ROWS,
-    _S3,
-    _S3_RING,
-    _hmul2,
-    _key_codes,
-    _key_scale_halves,
-    _key_zeros,
-    _perm_channel,
-    _ring_keys,
-    _ring_values,
-    _value_codes,
-    _value_scale_chunks,
-    _value_zeros,
-)
-from .kernel_mma_stage import _allocate_stages, _issue_block, _value_words
+from .kernel_mma_frag import _COLS, _MMA, _OP_A, _OP_B, _Q8, _ROWS, _S3_RING, _perm_channel, _ring_keys, _ring_values
+from .kernel_mma_loop import _online_softmax, _packed_loop
 
 
 @gluon.jit
@@ -65,80 +45,6 @@ def _query_operand(q_row, stride_q_h, QG: gl.constexpr, dtype: gl.constexpr):
     offs_ca = _perm_channel(gl.arange(0, 128, layout=gl.SliceLayout(0, _OP_A)))
     q_a = gl.load(q_row + offs_ha[:, None] * stride_q_h + offs_ca[None, :], mask=(offs_ha < QG)[:, None], other=0.0)
     return q_a.to(dtype)
-
-
-@gluon.jit
-def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
-    """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of a stage's 64 tokens (token 8 j + nn; n_valid of them are
-    packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
-    # stage 1: key scales of each 32-token half folded into the query: the A operand [16 (half, h), 128]
-    ks0, ks1 = _key_scale_halves(ks)
-    if q8.dtype == gl.float16:  # fp16 scales: packed fp16 products (q8 is fp16 then)
-        q_b, ks0 = gl.broadcast(q8, ks0[None, :])
-        q_b, ks1 = gl.broadcast(q8, ks1[None, :])
-        a = gl.join(_hmul2(q_b, ks0), _hmul2(q_b, ks1))
-    else:
-        a = gl.join((q8 * ks0[None, :]).to(gl.float16), (q8 * ks1[None, :]).to(gl.float16))
-    a = gl.convert_layout(a.permute(2, 0, 1).reshape([16, 128]), _OP_A)
-    raw = mma_v2(a, _key_codes(kw), gl.zeros([16, 64], gl.float32, _MMA))
-    # stage 2: the zeros' share, sum_c q k_zero, per head and half (column jj of the product: half jj // 4)
-    bias = mma_v2(q_a, _key_zeros(kz), gl.zeros([16, 8], gl.float32, _MMA))
-    bias, _ = gl.split(bias.reshape([2, 8, 8]).permute(1, 2, 0))
-    bias = gl.convert_layout(bias, gl.SliceLayout(1, _S3)) * qk_scale  # [8 h, 8 j]
-    # stage 3: each column's half, its code factor undone, the zeros' share, the mask
-    s0, s1 = gl.split(raw.reshape([2, 8, 8, 8]).permute(1, 2, 3, 0))
-    s0 = gl.convert_layout(s0, _S3)
-    s1 = gl.convert_layout(s1, _S3)
-    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _S3)))[None, None, :]
-    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _S3)))[None, :, None]
-    factor = 16777216.0 / (1 << (2 * (nn % 5))).to(gl.float32)  # 2^24 / 4^w
-    s = gl.where(j < 4, s0, s1) * factor + bias[:, None, :]
-    return gl.where(8 * j + nn < n_valid, s, float("-inf"))
-
-
-@gluon.jit
-def _online_softmax(s, m_i, l_i):
-    """One online-softmax step over scores s [8 h, ...] (3-D, _S3): (p, alpha, m_new, l_i); rows [8] in _ROWS."""
-    mx = gl.max(gl.max(s, axis=2), axis=1)
-    m_i = gl.convert_layout(m_i, mx.type.layout)
-    m_new = gl.maximum(m_i, mx)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None, None])
-    l_i = gl.convert_layout(l_i, mx.type.layout) * alpha + gl.sum(gl.sum(p, axis=2), axis=1)
-    return p, gl.convert_layout(alpha, _ROWS), gl.convert_layout(m_new, _ROWS), gl.convert_layout(l_i, _ROWS)
-
-
-@gluon.jit
-def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_NATURAL: gl.constexpr):
-    """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
-    z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
-    8 j + nn."""
-    alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
-    p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
-    if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
-        p_t = p_t.to(gl.float16)
-    vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
-    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_NATURAL), acc0 * alpha_c)
-    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_NATURAL), acc1 * alpha_c)
-    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_NATURAL), acc2 * alpha_c)
-    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_NATURAL), acc3 * alpha_c)
-    p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
-    z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
-    return acc0, acc1, acc2, acc3, z
-
-
-@gluon.jit
-def _value_chunk(p_t, vs, words, acc):
-    """acc [32, 8] + codes of one chunk (words [2, 64] its value words) x (p v_scale)^T; vs [8 nn, 8 j] its scales
-    (p_t fp16 with fp16 scales, else fp32)."""
-    if p_t.dtype == gl.float16:
-        p_b, vs_b = gl.broadcast(p_t, vs[:, :, None])
-        p_g = _hmul2(p_b, vs_b)
-    else:
-        p_g = (p_t * vs[:, :, None]).to(gl.float16)
-    p_g = gl.convert_layout(p_g.reshape([64, 8]), _OP_B, assert_trivial=True)
-    return mma_v2(_value_codes(words), p_g, acc)
 
 
 @gluon.jit
@@ -177,7 +83,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, V_NATURAL: gl.constexpr = True,
+    STAGES: gl.constexpr = 2, V_NATURAL: gl.constexpr = True, SCORE_AHEAD: gl.constexpr = False,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's
@@ -205,36 +111,16 @@ def _decode_attention_mma_kernel(
     acc2 = acc0
     acc3 = acc0
     z = gl.zeros([16, 8], gl.float32, _MMA)
-    # stage 2: packed blocks through the block table; blocks blk + 1 .. blk + STAGES - 1 arrive by cp.async
-    # during block blk
-    gl.static_assert(STAGES == 2 or STAGES == 3)
+    # stage 2: packed blocks through the block table (kernel_mma_loop.py: STAGES cp.async stages, the scores of
+    # block blk + 1 beside block blk's values with SCORE_AHEAD)
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     if lo < n_end:
-        kw, ks, kz, vw, vs, vz = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP, STAGES, V_NATURAL)
-        for pre in gl.static_range(STAGES - 1):
-            _issue_block(kw, ks, kz, vw, vs, vz, pre, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h,
-                         lo + pre, n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n,
-                         stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t,
-                         GROUP, PAGE, V_NATURAL)
-        for blk in range(lo, n_end):
-            st = (blk - lo) % STAGES
-            # into the stage block blk - 1 was read from (its reads ended with that step's products)
-            if STAGES == 2:
-                nxt = 1 - st
-            else:
-                nxt = (blk - lo + STAGES - 1) % STAGES
-            _issue_block(kw, ks, kz, vw, vs, vz, nxt, kc_ptr, ks_ptr, kz_ptr, vc_ptr,
-                         vs_ptr, vz_ptr, bt_row, h, blk + STAGES - 1, n_end, nq, stride_kc_n, stride_kc_h,
-                         stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h, stride_kc_w,
-                         stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_NATURAL)
-            cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
-            s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-            acc0, acc1, acc2, acc3, z = _value_step(
-                p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2, acc3, z,
-                128 // GROUP, V_NATURAL)
-        cp.wait_group(0)
+        m_i, l_i, acc0, acc1, acc2, acc3, z = _packed_loop(
+            q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h,
+            (kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr),
+            (stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h),
+            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_NATURAL, SCORE_AHEAD)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
     r1 = r0

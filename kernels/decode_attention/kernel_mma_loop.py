@@ -1,0 +1,162 @@
+"""The packed loop of the tensor-core decode-attention kernel (kernel_mma.py): 64-token blocks through the block
+table, arriving by cp.async stages (kernel_mma_stage.py), with the operands of kernel_mma_frag.py. Only
+@gluon.jit code.
+
+Each block: its masked scores (_key_scores), one online-softmax step, then the values' products (_value_step).
+Two schedules (SCORE_AHEAD):
+- in turn (versions 14-17): block blk's scores, softmax and values, blocks blk + 1 .. blk + STAGES - 1 in flight;
+- scores ahead (version 18, 3 stages): the step of block blk computes block blk + 1's raw scores beside block
+  blk's softmax and values. Raw scores do not depend on the running max, so the two chains are independent
+  and the scheduler can interleave them: one warp runs two dependency chains instead of one (the kernel is
+  latency-bound at 8 warps per SM). Blocks blk and blk + 1 are read while blk + 2 is in flight. The last step
+  scores one block past its range (a valid page, the result unused).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .kernel_mma_frag import (
+    _COLS,
+    _MMA,
+    _OP_A,
+    _OP_B,
+    _P3,
+    _ROWS,
+    _S3,
+    _hmul2,
+    _key_codes,
+    _key_scale_halves,
+    _key_zeros,
+    _value_codes,
+    _value_scale_chunks,
+    _value_zeros,
+)
+from .kernel_mma_stage import _allocate_stages, _issue_block, _value_words
+
+
+@gluon.jit
+def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
+    """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of a stage's 64 tokens (token 8 j + nn; n_valid of them are
+    packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
+    # stage 1: key scales of each 32-token half folded into the query: the A operand [16 (half, h), 128]
+    ks0, ks1 = _key_scale_halves(ks)
+    if q8.dtype == gl.float16:  # fp16 scales: packed fp16 products (q8 is fp16 then)
+        q_b, ks0 = gl.broadcast(q8, ks0[None, :])
+        q_b, ks1 = gl.broadcast(q8, ks1[None, :])
+        a = gl.join(_hmul2(q_b, ks0), _hmul2(q_b, ks1))
+    else:
+        a = gl.join((q8 * ks0[None, :]).to(gl.float16), (q8 * ks1[None, :]).to(gl.float16))
+    a = gl.convert_layout(a.permute(2, 0, 1).reshape([16, 128]), _OP_A)
+    raw = mma_v2(a, _key_codes(kw), gl.zeros([16, 64], gl.float32, _MMA))
+    # stage 2: the zeros' share, sum_c q k_zero, per head and half (column jj of the product: half jj // 4)
+    bias = mma_v2(q_a, _key_zeros(kz), gl.zeros([16, 8], gl.float32, _MMA))
+    bias, _ = gl.split(bias.reshape([2, 8, 8]).permute(1, 2, 0))
+    bias = gl.convert_layout(bias, gl.SliceLayout(1, _S3)) * qk_scale  # [8 h, 8 j]
+    # stage 3: each column's half, its code factor undone, the zeros' share, the mask
+    s0, s1 = gl.split(raw.reshape([2, 8, 8, 8]).permute(1, 2, 3, 0))
+    s0 = gl.convert_layout(s0, _S3)
+    s1 = gl.convert_layout(s1, _S3)
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _S3)))[None, None, :]
+    nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _S3)))[None, :, None]
+    factor = 16777216.0 / (1 << (2 * (nn % 5))).to(gl.float32)  # 2^24 / 4^w
+    s = gl.where(j < 4, s0, s1) * factor + bias[:, None, :]
+    return gl.where(8 * j + nn < n_valid, s, float("-inf"))
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i):
+    """One online-softmax step over scores s [8 h, ...] (3-D, _S3): (p, alpha, m_new, l_i); rows [8] in _ROWS."""
+    mx = gl.max(gl.max(s, axis=2), axis=1)
+    m_i = gl.convert_layout(m_i, mx.type.layout)
+    m_new = gl.maximum(m_i, mx)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None, None])
+    l_i = gl.convert_layout(l_i, mx.type.layout) * alpha + gl.sum(gl.sum(p, axis=2), axis=1)
+    return p, gl.convert_layout(alpha, _ROWS), gl.convert_layout(m_new, _ROWS), gl.convert_layout(l_i, _ROWS)
+
+
+@gluon.jit
+def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_NATURAL: gl.constexpr):
+    """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
+    z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
+    8 j + nn."""
+    alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+    p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
+    if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
+        p_t = p_t.to(gl.float16)
+    vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
+    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_NATURAL), acc0 * alpha_c)
+    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_NATURAL), acc1 * alpha_c)
+    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_NATURAL), acc2 * alpha_c)
+    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_NATURAL), acc3 * alpha_c)
+    p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
+    z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
+    return acc0, acc1, acc2, acc3, z
+
+
+@gluon.jit
+def _value_chunk(p_t, vs, words, acc):
+    """acc [32, 8] + codes of one chunk (words [2, 64] its value words) x (p v_scale)^T; vs [8 nn, 8 j] its scales
+    (p_t fp16 with fp16 scales, else fp32)."""
+    if p_t.dtype == gl.float16:
+        p_b, vs_b = gl.broadcast(p_t, vs[:, :, None])
+        p_g = _hmul2(p_b, vs_b)
+    else:
+        p_g = (p_t * vs[:, :, None]).to(gl.float16)
+    p_g = gl.convert_layout(p_g.reshape([64, 8]), _OP_B, assert_trivial=True)
+    return mma_v2(_value_codes(words), p_g, acc)
+
+
+@gluon.jit
+def _issue(stages, stage, blk, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w: gl.constexpr,
+           stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr,
+           PAGE: gl.constexpr, V_NATURAL: gl.constexpr):
+    """cp.async of packed block blk into `stage` (stages, ptrs, strides: the loop's tuples)."""
+    kw, ks, kz, vw, vs, vz = stages
+    kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = ptrs
+    stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h = strides
+    _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
+                 n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
+                 stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_NATURAL)
+
+
+@gluon.jit
+def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
+                 stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
+                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                 V_NATURAL: gl.constexpr, SCORE_AHEAD: gl.constexpr):
+    """Packed blocks lo .. n_end - 1 (n_end > lo) of KV head h: (m_i, l_i, acc0, acc1, acc2, acc3, z) after them.
+    ptrs: (kc, ks, kz, vc, vs, vz) pointers; strides: their runtime page and head strides."""
+    gl.static_assert(STAGES == 2 or STAGES == 3)
+    gl.static_assert(STAGES == 3 or not SCORE_AHEAD)  # scores ahead read two stages while a third fills
+    NG: gl.constexpr = 128 // GROUP
+    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_NATURAL)
+    kw, ks, kz, vw, vs, vz = stages
+    for pre in gl.static_range(STAGES - 1):
+        _issue(stages, pre, lo + pre, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w, stride_ks_g, stride_vc_t,
+               stride_vs_t, GROUP, PAGE, V_NATURAL)
+    if SCORE_AHEAD:
+        cp.wait_group(1)  # block lo has landed
+        s = _key_scores(q8, q_a, kw.index(0), ks.index(0), kz.index(0), nq - lo * 64, qk_scale)
+    for blk in range(lo, n_end):
+        st = (blk - lo) % STAGES
+        # into the stage block blk - 1 was read from (its reads ended with that step's products)
+        _issue(stages, (blk - lo + STAGES - 1) % STAGES, blk + STAGES - 1, ptrs, strides, n_end, nq, bt_row, h,
+               stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_NATURAL)
+        if SCORE_AHEAD:
+            cp.wait_group(1)  # block blk + 1 has landed (all but the newest group)
+            s1 = (st + 1) % STAGES
+            s_next = _key_scores(q8, q_a, kw.index(s1), ks.index(s1), kz.index(s1), nq - (blk + 1) * 64, qk_scale)
+        else:
+            cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
+            s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
+                                                acc3, z, NG, V_NATURAL)
+        if SCORE_AHEAD:
+            s = s_next
+    cp.wait_group(0)
+    return m_i, l_i, acc0, acc1, acc2, acc3, z
