@@ -646,6 +646,10 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3),  # two blocks in flight
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3, SCORE_AHEAD=True),  # version 18
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, V_NATURAL=False),  # version 15's copies
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
     specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),
                   dict(mma_consts, QG=1, GROUP=64, SPLIT=False, stride_vs_t=2),
