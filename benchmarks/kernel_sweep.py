@@ -58,17 +58,15 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
 
     if t.get("mma") or t.get("fma"):  # the Gluon kernels (kernel_mma.py, kernel_gluon.py): only the split count
         from kernels.decode_attention import common as C  # (and register cap, block size) apply
-        from kernels.decode_attention.ops_mma import MMA_PER_SM, MMA_RESIDENT
+        from kernels.decode_attention.ops_fma import FMA_MAXNREG
+        from kernels.decode_attention.ops_mma import MMA_MAXNREG, MMA_PER_SM, mma_resident
 
         per_sm = t.pop("per_sm", None)
-        dev = torch.device("cuda")
-        default = per_sm is None
+        maxnreg = t.get("maxnreg") or (MMA_MAXNREG if t.get("mma") else FMA_MAXNREG)
+        resident = mma_resident(maxnreg) if t.get("mma") and per_sm is None else None  # the launcher's default
         per_sm = per_sm or (MMA_PER_SM if t.get("mma") else FMA_PER_SM)
-        splits = C.choose_num_splits(B * H, max_tokens, dev, programs_per_sm=per_sm, max_splits=MAX_SPLITS)
-        slots = (MMA_RESIDENT or 0) * C.num_sms(dev)
-        if t.get("mma") and default and B * H < slots:  # the launcher's default under a wave: whole waves
-            splits = C.wave_splits(B * H, max_tokens, slots, MAX_SPLITS, splits)
-        t.setdefault("num_splits", splits)
+        t.setdefault("num_splits", C.one_warp_launch("sweep", maxnreg, None, B * H, max_tokens, torch.device("cuda"),
+                                                     per_sm, resident=resident))
         return t
 
     cfg = launch_config(B, H, Hq // H, max_tokens, P, D, True, True, torch.device("cuda"), bits=bits,

@@ -56,6 +56,12 @@ def _blocks_aligned(t: torch.Tensor) -> bool:
             and t.stride(2) == t.shape[3] and t.stride(3) == 1)
 
 
+def mma_resident(maxnreg: int) -> int | None:
+    """Programs an SM holds at this register cap for the whole-wave split count (MMA_RESIDENT above 168 registers:
+    2 warps per scheduler), or None below it, where the count aims at MMA_PER_SM programs per SM."""
+    return MMA_RESIDENT if maxnreg > 168 else None
+
+
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
                maxnreg=None, stages=None, natural_values=None, score_ahead=None) -> torch.Tensor:
@@ -76,7 +82,7 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     natural_values = natural_values and v_codes.stride(2) == 8  # a block's words in a row (else version 15's copy)
     C.check_int(_OP, "num_stages", stages, (2, 3))
     num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM,
-                                   resident=MMA_RESIDENT if maxnreg > 168 else None)
+                                   resident=mma_resident(maxnreg))
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
