@@ -59,17 +59,17 @@ def env_header(device: torch.device) -> dict:
     return header
 
 
-def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
-    """Seconds of one dst.copy_(src): CUDA events on the GPU, the wall clock on the CPU."""
-    if dst.device.type == "cuda":
+def _timed(device: torch.device, fn, *args) -> float:
+    """Seconds of one fn(*args) call: CUDA events on the GPU, the wall clock on the CPU."""
+    if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        fn(*args)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
-    dst.copy_(src)
+    fn(*args)
     return time.perf_counter() - t0
 
 
@@ -82,7 +82,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, iters: int = 1
     dst = torch.empty_like(src)
     samples = []
     for i in range(warmup + iters):
-        seconds = _timed_copy(dst, src)
+        seconds = _timed(device, dst.copy_, src)
         if i >= warmup:
             samples.append(2 * nbytes / seconds / 1e9)
     del src, dst
@@ -98,14 +98,9 @@ def matmul_rate(device: torch.device, n: int = 8192, iters: int = 10, warmup: in
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
     samples = []
     for i in range(warmup + iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        seconds = _timed(device, torch.matmul, a, b)
         if i >= warmup:
-            samples.append(2 * n**3 / (time.perf_counter() - t0) / 1e12)
+            samples.append(2 * n**3 / seconds / 1e12)
     del a, b
     return {"tflops": statistics.median(samples), "samples_tflops": [round(x, 1) for x in samples], "n": n}
 
