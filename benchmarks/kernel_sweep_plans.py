@@ -3,6 +3,12 @@ the GPU (the notes in benchmarks/results/kernel_notes.md say what each answered)
 
 from __future__ import annotations
 
+# the tensor-core kernel's A/B shapes (B, L, query heads, KV heads): MHA and GQA, batch 1 to 256, the engine's
+# workload b
+MMA_SHAPES = [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
+              (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
+              (1, 131072, 32, 8)]
+
 
 def plan(name: str):
     """[(shape, [variant, ...]), ...]; shape = (B, L, Hq, H), variant = (impl, bits, tuning)."""
@@ -108,16 +114,10 @@ def plan(name: str):
             (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8), (1, 131072, 32, 8)]]
     if name == "stages":  # the mma kernel's cp.async stages: 2 (one block in flight) against 3 (two)
         both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3))]
-        return [((B, L, Hq, H), both) for B, L, Hq, H in [
-            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
-            (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
-            (1, 131072, 32, 8)]]
+        return [(shape, both) for shape in MMA_SHAPES]
     if name == "natural":  # the mma kernel's value words: version 15's transposed 4-byte copies against 16-byte ones
         both = [("new", 2, dict(mma=True, natural_values=False)), ("new", 2, dict(mma=True))]
-        return [((B, L, Hq, H), both) for B, L, Hq, H in [
-            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
-            (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
-            (1, 131072, 32, 8), (92, 1280, 32, 32), (238, 330, 32, 32)]]
+        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (238, 330, 32, 32)]]
     if name == "waves":  # the mma kernel's split count: whole waves of 8 resident programs (the default) against
         # 16 programs per SM (the default before), on equal rows and on the engine's widths
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
@@ -129,16 +129,13 @@ def plan(name: str):
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
         return [((B, L, Hq, H), both) for B, L, Hq, H in [
             (256, 4096, 32, 8), (64, 32768, 32, 32), (141, 1152, 32, 32), (64, 4096, 32, 8)]]
-    if name == "waves3":  # batch 1, 32 KV heads: 66 splits (16 programs per SM) against 32 (one whole wave)
-        both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
+    if name == "waves3":  # batch 1, 32 KV heads: the default's 66 splits (two waves) against 32 (one whole wave)
+        both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=32))]
         return [((1, 131072, 32, 32), both), ((1, 32768, 32, 32), both)]
     if name == "ahead":  # version 18: the next block's scores beside this block's values (3 stages) against 2 and 3
         vs = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3)),
               ("new", 2, dict(mma=True, score_ahead=True))]
-        return [((B, L, Hq, H), vs) for B, L, Hq, H in [
-            (8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
-            (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
-            (1, 131072, 32, 8), (92, 1280, 32, 32)]]
+        return [(shape, vs) for shape in MMA_SHAPES + [(92, 1280, 32, 32)]]
     if name == "ring":  # ring-heavy engine shapes (the full-precision residual is 40-100% of the bytes)
         mma = [("new", 2, dict(mma=True))]
         return [((B, L, 32, H), mma) for B, L, H in [
