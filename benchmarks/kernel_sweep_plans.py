@@ -116,7 +116,7 @@ def plan(name: str):
         both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3))]
         return [(shape, both) for shape in MMA_SHAPES]
     if name == "natural":  # the mma kernel's value words: version 15's transposed 4-byte copies against 16-byte ones
-        both = [("new", 2, dict(mma=True, natural_values=False)), ("new", 2, dict(mma=True))]
+        both = [("new", 2, dict(mma=True, value_copy="transposed")), ("new", 2, dict(mma=True, value_copy="halves"))]
         return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (238, 330, 32, 32)]]
     if name == "waves":  # the mma kernel's split count: whole waves of 8 resident programs (the default) against
         # 16 programs per SM (the default before), on equal rows and on the engine's widths
@@ -132,6 +132,13 @@ def plan(name: str):
     if name == "waves3":  # batch 1, 32 KV heads: the default's 66 splits (two waves) against 32 (one whole wave)
         both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=32))]
         return [((1, 131072, 32, 32), both), ((1, 32768, 32, 32), both)]
+    if name == "rows":  # version 19: value words copied a token row at a time against version 17's two halves
+        both = [("new", 2, dict(mma=True, value_copy="halves")), ("new", 2, dict(mma=True, value_copy="rows"))]
+        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (141, 1152, 32, 32)]]
+    if name == "waves4":  # wave_splits' fewest fitting count (the default) against the counts it replaced
+        return [((B, L, Hq, H), [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=old))])
+                for B, L, Hq, H, old in [(1, 131072, 32, 32, 66), (1, 32768, 32, 32, 66), (1, 131072, 32, 8, 128),
+                                         (8, 32768, 32, 8, 33), (4, 4096, 32, 32, 16)]]
     if name == "ahead":  # version 18: the next block's scores beside this block's values (3 stages) against 2 and 3
         vs = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3)),
               ("new", 2, dict(mma=True, score_ahead=True))]

@@ -340,11 +340,12 @@ def test_mma_kernel_with_scores_ahead_matches_reference(case: Case):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("value_copy", ["transposed", "halves", "rows"])
 @pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
-def test_mma_kernel_with_transposed_value_copies_matches_reference(case: Case):
-    """natural_values=False: version 15's 4-byte transposed copies of the value words (the default copies them
-    as they lie, in 16-byte pieces)."""
-    check_against_reference(case, TOL[case.dtype], mma=True, natural_values=False)
+def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_copy: str):
+    """Each way the value words reach shared memory: version 15's 4-byte transposed copies, version 17's 16-byte
+    pieces in two halves, version 19's in token rows (kernel_mma_stage.py)."""
+    check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
 
 
 @pytest.mark.parametrize("mma", [None, True], ids=["default", "mma"])
@@ -402,12 +403,14 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     splits = grid[2]
     assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
     assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
-    assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_NATURAL"] == ops_mma.MMA_NATURAL_VALUES
-    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, natural_values=False)
-    assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_NATURAL"] is False
+    assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, value_copy="halves")
+    assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_COPY"] == 1
+    with pytest.raises(ValueError, match="value_copy must be one of"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="natural")
     padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
-    ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, natural_values=True)
-    assert calls[-1][2]["V_NATURAL"] is False  # the natural copy needs each token's 8 words in a row
+    ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="rows")
+    assert calls[-1][2]["V_COPY"] == 0  # 16-byte copies need each token's 8 words in a row
     assert kw["SCORE_AHEAD"] == ops_mma.MMA_SCORE_AHEAD
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, score_ahead=True)
     assert calls[-1][2]["SCORE_AHEAD"] is True and calls[-1][2]["STAGES"] == 3  # scores ahead take 3 stages
@@ -562,27 +565,24 @@ def test_choose_num_splits():
 
 
 def test_wave_splits_fill_whole_waves():
-    """wave_splits: the preferred count where its waves of `slots` programs are within 5% of the ideal programs /
-    slots, else the fewest counts that are (on random calls), and the example of its docstring (512 programs,
-    1,056 slots: 2 splits, one wave, instead of 5)."""
+    """wave_splits: the fewest splits whose waves of `slots` programs are within 5% of the ideal programs / slots,
+    else the cap (on random calls), and the examples of its docstring (512 programs, 1,056 slots: 2 splits, one
+    wave, instead of 5; 32 programs: 32 splits, not 66)."""
     import math
     import random
 
     from kernels.decode_attention.common import MIN_TOKENS_PER_SPLIT, wave_splits
 
-    assert wave_splits(512, 4352, 1056, 128, 5) == 2 and wave_splits(512, 4352, 1056, 128, 4) == 4
+    assert wave_splits(512, 4352, 1056, 128) == 2 and wave_splits(32, 131_200, 1056, 128) == 32
     rng = random.Random()
     seed = rng.randrange(2**31)
     rng.seed(seed)
     for _ in range(300):
         programs, max_tokens = rng.randrange(1, 5000), rng.randrange(64, 140_000)
-        slots, max_splits, preferred = rng.choice([528, 1056, 1584]), rng.choice([32, 128]), rng.randrange(1, 40)
-        splits = wave_splits(programs, max_tokens, slots, max_splits, preferred)
+        slots, max_splits = rng.choice([528, 1056, 1584]), rng.choice([32, 128])
+        splits = wave_splits(programs, max_tokens, slots, max_splits)
         cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
         fits = lambda s, p=programs, n=slots: math.ceil(p * s / n) / s <= 1.05 * p / n
-        if fits(preferred):
-            assert splits == preferred, seed
-            continue
         assert 1 <= splits <= cap, seed
         assert splits == cap or fits(splits), seed
         assert not any(fits(s) for s in range(1, splits)), seed
@@ -648,8 +648,9 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3, SCORE_AHEAD=True),  # version 18
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
-    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, V_NATURAL=False),  # version 15's copies
-                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    for v_copy in (0, 1):  # version 15's and 17's value copies (2, version 19's, is the default)
+        specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, V_COPY=v_copy),
+                      dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
     specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),
                   dict(mma_consts, QG=1, GROUP=64, SPLIT=False, stride_vs_t=2),

@@ -87,14 +87,14 @@ def choose_num_splits(programs: int, max_tokens: int, device: torch.device, prog
 
 
 @functools.lru_cache(maxsize=4096)
-def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, preferred: int,
-                slack: float = 0.05) -> int:
+def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, slack: float = 0.05) -> int:
     """Splits of the key sequence for programs that run in waves of `slots` at a time (resident programs per SM
-    times SMs), each split's share of a row taking about 1/splits of its time: `preferred` where its
-    ceil(programs * splits / slots) / splits is within `slack` of the ideal programs / slots, else the fewest
-    splits that are. A call whose programs * splits overfill the last wave slightly pays a whole extra wave:
-    512 programs in 5 splits run in 3 waves of 1,056 slots at 1/5 of a row each (0.6 of a row), in 2 splits in
-    one wave (0.5).
+    times SMs), each split's share of a row taking about 1/splits of its time: the fewest splits whose
+    ceil(programs * splits / slots) / splits is within `slack` of the ideal programs / slots (fewer splits, less
+    to merge). A call whose programs * splits overfill the last wave slightly pays a whole extra wave: 512
+    programs in 5 splits run in 3 waves of 1,056 slots at 1/5 of a row each (0.6 of a row), in 2 splits in one
+    wave (0.5). Of two counts that both fit, the fewer won: 32 programs of 131,072 tokens took 146-148 us in
+    32 splits (one wave), 151-157 in 66 (two; kernels-20261130-h200-sweep-waves3.json).
 
     programs: B * H programs without splitting; max_tokens as in choose_num_splits (each split keeps at least
     MIN_TOKENS_PER_SPLIT tokens). Meant for calls of less than a wave of programs: from a wave up it lost to
@@ -103,8 +103,6 @@ def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, pre
     (-sweep-waves2.json: 2,048 programs unsplit 5% faster at L=4,096, 8 KV heads, 5.6% slower at L=32,768)."""
     cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
     fits = lambda splits: math.ceil(programs * splits / slots) / splits <= (1 + slack) * programs / slots
-    if fits(preferred):
-        return preferred
     return next((splits for splits in range(1, cap + 1) if fits(splits)), cap)
 
 
@@ -161,14 +159,15 @@ def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor) ->
 def one_warp_launch(op: str, maxnreg: int, num_splits: int | None, rows: int, max_tokens: int,
                     device: torch.device, per_sm: int, resident: int | None = None) -> int:
     """Checks of a launch of one-warp programs (the Gluon kernels): a register cap ptxas takes (multiples of 8,
-    or 255), and the split count when None (rows = batch x KV heads): for `per_sm` programs per SM, corrected to
-    whole waves of `resident` programs per SM (wave_splits) when given and the rows are less than a wave."""
+    or 255), and the split count when None (rows = batch x KV heads): for `per_sm` programs per SM, or, when
+    `resident` is given and the rows are less than a wave, in whole waves of `resident` programs per SM
+    (wave_splits)."""
     check_int(op, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
     if num_splits is None:
         num_splits = choose_num_splits(rows, max_tokens, device, programs_per_sm=per_sm,
                                        max_splits=ONE_WARP_MAX_SPLITS)
         if resident is not None and rows < resident * num_sms(device):  # under a wave: whole waves
-            num_splits = wave_splits(rows, max_tokens, resident * num_sms(device), ONE_WARP_MAX_SPLITS, num_splits)
+            num_splits = wave_splits(rows, max_tokens, resident * num_sms(device), ONE_WARP_MAX_SPLITS)
     check_int(op, "num_splits", num_splits)
     return num_splits
 

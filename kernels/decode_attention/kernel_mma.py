@@ -83,7 +83,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, V_NATURAL: gl.constexpr = True, SCORE_AHEAD: gl.constexpr = False,
+    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 2, SCORE_AHEAD: gl.constexpr = False,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's
@@ -120,7 +120,7 @@ def _decode_attention_mma_kernel(
             q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h,
             (kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr),
             (stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h),
-            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_NATURAL, SCORE_AHEAD)
+            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY, SCORE_AHEAD)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
     r1 = r0

@@ -79,7 +79,7 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_NATURAL: gl.constexpr):
+def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_COPY: gl.constexpr):
     """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
     z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
     8 j + nn."""
@@ -88,10 +88,10 @@ def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.cons
     if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
         p_t = p_t.to(gl.float16)
     vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
-    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_NATURAL), acc0 * alpha_c)
-    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_NATURAL), acc1 * alpha_c)
-    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_NATURAL), acc2 * alpha_c)
-    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_NATURAL), acc3 * alpha_c)
+    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_COPY), acc0 * alpha_c)
+    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_COPY), acc1 * alpha_c)
+    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_COPY), acc2 * alpha_c)
+    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_COPY), acc3 * alpha_c)
     p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
     z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
     return acc0, acc1, acc2, acc3, z
@@ -113,31 +113,31 @@ def _value_chunk(p_t, vs, words, acc):
 @gluon.jit
 def _issue(stages, stage, blk, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w: gl.constexpr,
            stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr,
-           PAGE: gl.constexpr, V_NATURAL: gl.constexpr):
+           PAGE: gl.constexpr, V_COPY: gl.constexpr):
     """cp.async of packed block blk into `stage` (stages, ptrs, strides: the loop's tuples)."""
     kw, ks, kz, vw, vs, vz = stages
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = ptrs
     stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h = strides
     _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
                  n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
-                 stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_NATURAL)
+                 stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY)
 
 
 @gluon.jit
 def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
                  stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
                  stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                 V_NATURAL: gl.constexpr, SCORE_AHEAD: gl.constexpr):
+                 V_COPY: gl.constexpr, SCORE_AHEAD: gl.constexpr):
     """Packed blocks lo .. n_end - 1 (n_end > lo) of KV head h: (m_i, l_i, acc0, acc1, acc2, acc3, z) after them.
     ptrs: (kc, ks, kz, vc, vs, vz) pointers; strides: their runtime page and head strides."""
     gl.static_assert(STAGES == 2 or STAGES == 3)
     gl.static_assert(STAGES == 3 or not SCORE_AHEAD)  # scores ahead read two stages while a third fills
     NG: gl.constexpr = 128 // GROUP
-    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_NATURAL)
+    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_COPY)
     kw, ks, kz, vw, vs, vz = stages
     for pre in gl.static_range(STAGES - 1):
         _issue(stages, pre, lo + pre, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w, stride_ks_g, stride_vc_t,
-               stride_vs_t, GROUP, PAGE, V_NATURAL)
+               stride_vs_t, GROUP, PAGE, V_COPY)
     if SCORE_AHEAD:
         cp.wait_group(1)  # block lo has landed
         s = _key_scores(q8, q_a, kw.index(0), ks.index(0), kz.index(0), nq - lo * 64, qk_scale)
@@ -145,7 +145,7 @@ def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_e
         st = (blk - lo) % STAGES
         # into the stage block blk - 1 was read from (its reads ended with that step's products)
         _issue(stages, (blk - lo + STAGES - 1) % STAGES, blk + STAGES - 1, ptrs, strides, n_end, nq, bt_row, h,
-               stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_NATURAL)
+               stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY)
         if SCORE_AHEAD:
             cp.wait_group(1)  # block blk + 1 has landed (all but the newest group)
             s1 = (st + 1) % STAGES
@@ -155,7 +155,7 @@ def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_e
             s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
-                                                acc3, z, NG, V_NATURAL)
+                                                acc3, z, NG, V_COPY)
         if SCORE_AHEAD:
             s = s_next
     cp.wait_group(0)

@@ -7,14 +7,19 @@ key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves
 scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane group's 16 tokens). The readers
 load each stage in a layout whose lanes match the operands' (kernel_mma_frag.py) and reshape in registers.
 
-Value words, two ways (V_NATURAL):
-- transposed [4 chunks, 2 words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16 consecutive
+Value words, three ways (V_COPY):
+- 0, transposed [4 chunks, 2 words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16 consecutive
   tokens of one word in 16-byte loads. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes: ncu put
   73% of the kernel's global sector requests and most of its excess shared wavefronts there.
-- natural (version 17): the block's 2 KiB as they lie in global memory, in 16-byte pieces (4 copies a lane,
-  each warp-wide copy 512 contiguous bytes), stored as [2 units c, 16 rows, 16]: unit c holds words 4 c .. 4 c
-  + 3, row rho and column 4 u + w hold token 4 rho + u, word 4 c + w; 16-byte units swizzled by rho // 4 so
-  that the reader's 4-byte loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks.
+- 1, halves (version 17): the block's 2 KiB as they lie in global memory, in 16-byte pieces (4 copies a lane,
+  each warp-wide copy 512 contiguous bytes), stored as [2 halves c, 16 rows, 16]: half c holds words 4 c ..
+  4 c + 3, row rho and column 4 u + w hold token 4 rho + u, word 4 c + w; 16-byte units swizzled by rho // 4
+  so that the reader's 4-byte loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks.
+  But each 8 lanes of a copy (one 128-byte wavefront) held 8 half tokens, 16 bytes of 8 sectors: ncu counted
+  twice the ideal sectors and 8x the ideal shared wavefronts there (ncu-20261130-h200-v17-*).
+- 2, rows (version 19): the same pieces stored as [16 rows, 32]: row rho holds tokens 4 rho .. 4 rho + 3 whole
+  (column 16 c + 4 u + w: token 4 rho + u, word 4 c + w), so 8 lanes copy 128 contiguous bytes into one row;
+  the reader loads columns 16 c .. 16 c + 15, half c, as before.
 """
 
 from triton.experimental import gluon
@@ -49,6 +54,11 @@ _CP_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [16, 0]],
     warp_bases=[], block_bases=[], shape=[32, 16]))
 # ... read [16 rho, 16] of one unit: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e (e in registers)
+# ... or (V_COPY 2) [16 rho, 32]: 8 lanes a row, tokens 4 rho .. 4 rho + 3 whole, lanes in address order (lane
+# 2 u + c: token 4 rho + u, half c)
+_CP_VR = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 16], [0, 4], [0, 8], [1, 0], [2, 0]],
+    warp_bases=[], block_bases=[], shape=[16, 32]))
 _RD_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [0, 2]], lane_bases=[[4, 0], [8, 0], [0, 0], [0, 0], [0, 1]],
     warp_bases=[], block_bases=[], shape=[16, 16]))
@@ -59,12 +69,14 @@ _RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, V_NATURAL: gl.constexpr):
+def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, V_COPY: gl.constexpr):
     """STAGES stages of every buffer: (kw, ks, kz, vw, vs, vz), 6 KiB a stage."""
     kw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    if V_NATURAL:
+    if V_COPY == 2:
+        vw = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 32], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
+    elif V_COPY == 1:
         vw = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
     else:
         vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
@@ -78,7 +90,7 @@ def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr
 def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
                  n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
                  stride_vs_h, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
-                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, V_NATURAL: gl.constexpr):
+                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, V_COPY: gl.constexpr):
     """cp.async of packed block blk (KV head h) into `stage`, one commit group. Scales and zeros of tokens past
     nq arrive as zeros (their rows may hold anything)."""
     NG: gl.constexpr = 128 // GROUP
@@ -98,7 +110,13 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
     _async_load(ks.index(stage), ks_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     _async_load(kz.index(stage), kz_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     vc_page = vc_ptr + page * stride_vc_n + h * stride_vc_h
-    if V_NATURAL:  # value words as they lie: element (16 c + rho, 4 u + w) is token 4 rho + u, word 4 c + w
+    if V_COPY == 2:  # element (rho, 16 c + 4 u + w) is token 4 rho + u, word 4 c + w
+        gl.static_assert(stride_vc_t == 8)
+        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _CP_VR))
+        offs_col = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP_VR))
+        tok = off + 4 * offs_r[:, None] + ((offs_col // 4) % 4)[None, :]
+        _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * (offs_col // 16) + offs_col % 4)[None, :])
+    elif V_COPY == 1:  # value words as they lie: element (16 c + rho, 4 u + w) is token 4 rho + u, word 4 c + w
         gl.static_assert(stride_vc_t == 8)  # 128 channels at 2 bits: a block's words are 2 KiB in a row
         offs_r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CP_VN))
         offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP_VN))
@@ -126,10 +144,13 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
 
 
 @gluon.jit
-def _value_words(vw, st, g: gl.constexpr, V_NATURAL: gl.constexpr):
+def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr):
     """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW."""
-    if V_NATURAL:
-        x = vw.index(st).slice(16 * (g // 2), 16, dim=0).load(_RD_VN)  # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
+    if V_COPY > 0:
+        if V_COPY == 2:
+            x = vw.index(st).slice(16 * (g // 2), 16, dim=1).load(_RD_VN)
+        else:
+            x = vw.index(st).slice(16 * (g // 2), 16, dim=0).load(_RD_VN)  # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
         x = x.reshape([2, 2, 2, 2, 2, 2, 2, 2]).permute(7, 0, 1, 2, 3, 4, 5, 6).reshape([2, 64, 2])
         w_even, w_odd = gl.split(x)  # words 2 (2 c) + rh and 2 (2 c + 1) + rh, token 16 a + e
         w = w_even if g % 2 == 0 else w_odd

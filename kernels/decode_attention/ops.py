@@ -111,7 +111,7 @@ def decode_attention(
     cp_async: bool | None = None,
     magic: bool | None = None,
     mma: bool | None = None,
-    natural_values: bool | None = None,
+    value_copy: str | None = None,
     score_ahead: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
@@ -132,9 +132,9 @@ def decode_attention(
     ops_fma.FMA_MAGIC), mma (2-bit keys and values, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16,
     on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; the default where
     eligible and large enough, ahead of fma; of the other knobs only num_splits, maxnreg, num_stages (its
-    cp.async stages, 2 or 3), natural_values (how it copies value words, kernel_mma_stage.py; default
-    ops_mma.MMA_NATURAL_VALUES) and score_ahead (the next block's scores beside this block's values,
-    kernel_mma_loop.py; default ops_mma.MMA_SCORE_AHEAD) apply).
+    cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed", "halves" or "rows",
+    kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and score_ahead (the next block's scores beside this
+    block's values, kernel_mma_loop.py; default ops_mma.MMA_SCORE_AHEAD) apply).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -164,7 +164,7 @@ def decode_attention(
                              f"device={q.device}")
         return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          maxnreg, num_stages, natural_values, score_ahead)
+                          maxnreg, num_stages, value_copy, score_ahead)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in table_knobs)

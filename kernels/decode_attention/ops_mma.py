@@ -28,7 +28,10 @@ MMA_PER_SM = 16  # programs per SM the split count aimed for before MMA_RESIDENT
 # count fills whole waves of them (common.wave_splits). None: aim at MMA_PER_SM programs per SM instead.
 MMA_RESIDENT: int | None = 8
 MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
-MMA_NATURAL_VALUES = True  # value words copied as they lie, in 16-byte pieces (version 17; False: version 15's)
+# how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies),
+# "halves" (version 17, 16-byte pieces as they lie) or "rows" (version 19, the same pieces a token row at a time)
+VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2}
+MMA_VALUE_COPY = "rows"
 MMA_SCORE_AHEAD = False  # block blk + 1's scores beside block blk's values (version 18, 3 stages; not measured yet)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
@@ -64,13 +67,13 @@ def mma_resident(maxnreg: int) -> int | None:
 
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-               maxnreg=None, stages=None, natural_values=None, score_ahead=None) -> torch.Tensor:
+               maxnreg=None, stages=None, value_copy=None, score_ahead=None) -> torch.Tensor:
     """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
-    memory a program instead of 12). natural_values: value words copied in 16-byte pieces as they lie (True) or
-    transposed in 4-byte pieces (False, version 15); MMA_NATURAL_VALUES by default, where each token's 8 words are
-    contiguous. score_ahead: each step also computes the next block's scores (kernel_mma_loop.py; needs 3
-    stages, which it sets when stages is None); MMA_SCORE_AHEAD by default."""
+    memory a program instead of 12). value_copy: how value words reach shared memory, one of VALUE_COPIES
+    (MMA_VALUE_COPY by default; "transposed" where a token's 8 words are not contiguous). score_ahead: each step
+    also computes the next block's scores (kernel_mma_loop.py; needs 3 stages, which it sets when stages is
+    None); MMA_SCORE_AHEAD by default."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -78,8 +81,11 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     stages = (3 if score_ahead else MMA_STAGES) if stages is None else stages
     if score_ahead and stages != 3:
         raise ValueError(f"{_OP}: score_ahead needs num_stages=3, got {stages}")
-    natural_values = MMA_NATURAL_VALUES if natural_values is None else bool(natural_values)
-    natural_values = natural_values and v_codes.stride(2) == 8  # a block's words in a row (else version 15's copy)
+    value_copy = MMA_VALUE_COPY if value_copy is None else value_copy
+    if value_copy not in VALUE_COPIES:
+        raise ValueError(f"{_OP}: value_copy must be one of {sorted(VALUE_COPIES)}, got {value_copy!r}")
+    if v_codes.stride(2) != 8:  # the 16-byte copies need a block's words in a row
+        value_copy = "transposed"
     C.check_int(_OP, "num_stages", stages, (2, 3))
     num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM,
                                    resident=mma_resident(maxnreg))
@@ -87,6 +93,6 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
         QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
-        V_NATURAL=natural_values, SCORE_AHEAD=score_ahead,
+        V_COPY=VALUE_COPIES[value_copy], SCORE_AHEAD=score_ahead,
         num_warps=1, maxnreg=maxnreg,
     )
