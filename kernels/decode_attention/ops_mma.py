@@ -31,8 +31,9 @@ MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, w
 # how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies),
 # "halves" (version 17, 16-byte pieces as they lie) or "rows" (version 19, the same pieces a token row at a time)
 VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2}
-MMA_VALUE_COPY = "rows"
-MMA_SCORE_AHEAD = False  # block blk + 1's scores beside block blk's values (version 18, 3 stages; not measured yet)
+MMA_VALUE_COPY = "rows"  # 1% faster than "halves", within noise (kernels-20261130-h200-sweep-rows.json)
+# block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-5% slower (-sweep-ahead.json)
+MMA_SCORE_AHEAD = False
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
