@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# One device call (600 s) that checks the decode-attention kernels on the GPU and measures what the notes left
-# open (kernel_notes.md, version 19):
+# One device call (600 s) that checks the decode-attention kernels on the GPU and measures them:
 #
 #   bash benchmarks/kernel_device.sh            # results under $OUT (or /tmp/kernel-device)
 #
-# 1. The decode-attention GPU tests (the tensor-core kernel with each value copy, stages, the launcher's
-#    defaults), at most 150 s; log in $OUT/gpu-tests.log.
+# 1. The decode-attention GPU tests (the tensor-core kernel with each value copy, stages, scores ahead, the
+#    launcher's defaults), at most 150 s; log in $OUT/gpu-tests.log.
 # 2. ncu of the tensor-core kernel alone at B=64, L=4,096, 32/32 and 32/8 heads: details pages and a summary
-#    of the per-instruction counters (ncu_summary.py), to see what binds after version 19.
-# 3. kernel_sweep plan rows (version 19's value copy against version 17's), then plan waves3 (batch 1 at 32 KV
-#    heads: 66 splits against one whole wave of 32).
+#    of the per-instruction counters (ncu_summary.py; kernel_notes.md, version 19, says what they showed).
+# 3. kernel_sweep plan $PLAN when set (e.g. PLAN=waves4), its best rows printed.
 # 4. bench_kernels --only attention (the README's table), in what is left of 570 s.
 # The device returns at most 8 files: the logs of step 2 are folded into one.
 # The engine's A/B is a second call: VARIANTS=... bash benchmarks/engine_device.sh.
@@ -35,13 +33,13 @@ for shape in "64,4096,32" "64,4096,8"; do
     python3 benchmarks/ncu_summary.py "$OUT/$name-sass.csv" > "$OUT/$name-summary.json"
     rm -f "$OUT/$name-sass.csv" "$OUT/$name.ncu-rep"
     tail -n 3 "$OUT/$name.log" >> "$OUT/ncu.log" && rm -f "$OUT/$name.log"
-    echo "ncu $name: $(grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput" "$OUT/$name-details.txt" | tr -s ' ' | tr '\n' ';')"
+    echo "ncu $name: $(grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput|L2 Cache Throughput" "$OUT/$name-details.txt" | tr -s ' ' | tr '\n' ';')"
 done
 
-timeout 100 python3 benchmarks/kernel_sweep.py --plan rows --no-sdpa --workers 8 --out "$OUT/rows.json" 2>&1 \
-    | grep -A14 "best per" | cut -c1-200
-timeout 45 python3 benchmarks/kernel_sweep.py --plan waves3 --no-sdpa --workers 4 --out "$OUT/waves3.json" 2>&1 \
-    | grep -A4 "best per" | cut -c1-200
+if [ -n "${PLAN:-}" ]; then
+    timeout 150 python3 benchmarks/kernel_sweep.py --plan "$PLAN" --no-sdpa --workers 8 --out "$OUT/$PLAN.json" 2>&1 \
+        | grep -A14 "best per" | cut -c1-200
+fi
 left=$((BUDGET_S - SECONDS))
 timeout "$left" python3 benchmarks/bench_kernels.py --only attention --out "$OUT/kernels.json" 2>&1 | tail -n 2 \
     | cut -c1-300

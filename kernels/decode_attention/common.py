@@ -93,8 +93,9 @@ def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, sla
     ceil(programs * splits / slots) / splits is within `slack` of the ideal programs / slots (fewer splits, less
     to merge). A call whose programs * splits overfill the last wave slightly pays a whole extra wave: 512
     programs in 5 splits run in 3 waves of 1,056 slots at 1/5 of a row each (0.6 of a row), in 2 splits in one
-    wave (0.5). Of two counts that both fit, the fewer won: 32 programs of 131,072 tokens took 146-148 us in
-    32 splits (one wave), 151-157 in 66 (two; kernels-20261130-h200-sweep-waves3.json).
+    wave (0.5). Of two counts that both fit, the fewer won: 32 programs of 131,072 tokens took 147.0 us in 32
+    splits (one wave), 150.3 in 66 (two); 64 programs of 32,768 tokens 79.2 in 16, 86.1 in 33
+    (kernels-20261130-h200-sweep-waves4.json).
 
     programs: B * H programs without splitting; max_tokens as in choose_num_splits (each split keeps at least
     MIN_TOKENS_PER_SPLIT tokens). Meant for calls of less than a wave of programs: from a wave up it lost to

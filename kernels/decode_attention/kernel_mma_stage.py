@@ -15,11 +15,12 @@ Value words, three ways (V_COPY):
   each warp-wide copy 512 contiguous bytes), stored as [2 halves c, 16 rows, 16]: half c holds words 4 c ..
   4 c + 3, row rho and column 4 u + w hold token 4 rho + u, word 4 c + w; 16-byte units swizzled by rho // 4
   so that the reader's 4-byte loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks.
-  But each 8 lanes of a copy (one 128-byte wavefront) held 8 half tokens, 16 bytes of 8 sectors: ncu counted
-  twice the ideal sectors and 8x the ideal shared wavefronts there (ncu-20261130-h200-v17-*).
+  Each 8 lanes of a copy (one 128-byte wavefront) hold 8 half tokens, 16 bytes of 8 sectors.
 - 2, rows (version 19): the same pieces stored as [16 rows, 32]: row rho holds tokens 4 rho .. 4 rho + 3 whole
   (column 16 c + 4 u + w: token 4 rho + u, word 4 c + w), so 8 lanes copy 128 contiguous bytes into one row;
-  the reader loads columns 16 c .. 16 c + 15, half c, as before.
+  the reader loads columns 16 c .. 16 c + 15, half c, as before. ncu counts one L2 sector and one shared
+  wavefront per lane for these copies in both 1 and 2 (twice and 8x the ideal; the key-word copies show none):
+  the lane order is not the cause (kernel_notes.md, version 19).
 """
 
 from triton.experimental import gluon
@@ -53,12 +54,12 @@ _RD_VW = gl.constexpr(gl.DistributedLinearLayout(  # [2 rh, 64 tokens]: token 16
 _CP_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [16, 0]],
     warp_bases=[], block_bases=[], shape=[32, 16]))
-# ... read [16 rho, 16] of one unit: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e (e in registers)
 # ... or (V_COPY 2) [16 rho, 32]: 8 lanes a row, tokens 4 rho .. 4 rho + 3 whole, lanes in address order (lane
 # 2 u + c: token 4 rho + u, half c)
 _CP_VR = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 16], [0, 4], [0, 8], [1, 0], [2, 0]],
     warp_bases=[], block_bases=[], shape=[16, 32]))
+# ... read [16 rho, 16] of one half: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e (e in registers)
 _RD_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [0, 2]], lane_bases=[[4, 0], [8, 0], [0, 0], [0, 0], [0, 1]],
     warp_bases=[], block_bases=[], shape=[16, 16]))
