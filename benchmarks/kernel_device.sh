@@ -5,8 +5,9 @@
 #
 # 1. The decode-attention GPU tests (the tensor-core kernel with each value copy, stages, scores ahead, the
 #    launcher's defaults), at most 150 s; log in $OUT/gpu-tests.log.
-# 2. ncu of the tensor-core kernel alone at B=64, L=4,096, 32/32 and 32/8 heads: details pages and a summary
-#    of the per-instruction counters (ncu_summary.py; kernel_notes.md, version 19, says what they showed).
+# 2. ncu of the tensor-core kernel alone at B=64, L=4,096, 32/32 and 32/8 heads (its value copy from
+#    $NCU_VALUE_COPY when set): details pages and a summary of the per-instruction counters (ncu_summary.py;
+#    kernel_notes.md, version 19, says what they showed).
 # 3. kernel_sweep plan $PLAN when set (e.g. PLAN=waves4), its best rows printed.
 # 4. bench_kernels --only attention (the README's table), in what is left of 570 s.
 # The device returns at most 8 files: the logs of step 2 are folded into one.
@@ -27,7 +28,8 @@ for shape in "64,4096,32" "64,4096,8"; do
     timeout 60 ncu --clock-control none -k regex:_decode_attention_mma_kernel --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section SourceCounters -o "$OUT/$name" \
-        python3 benchmarks/kernel_sweep.py --ncu --ncu-mma "$b,$l" --ncu-kv-heads "$kv" > "$OUT/$name.log" 2>&1
+        python3 benchmarks/kernel_sweep.py --ncu --ncu-mma "$b,$l" --ncu-kv-heads "$kv" \
+        ${NCU_VALUE_COPY:+--ncu-value-copy "$NCU_VALUE_COPY"} > "$OUT/$name.log" 2>&1
     ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name-details.txt" 2>&1
     ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name-sass.csv" 2>&1
     python3 benchmarks/ncu_summary.py "$OUT/$name-sass.csv" > "$OUT/$name-summary.json"

@@ -135,6 +135,9 @@ def plan(name: str):
     if name == "rows":  # version 19: value words copied a token row at a time against version 17's two halves
         both = [("new", 2, dict(mma=True, value_copy="halves")), ("new", 2, dict(mma=True, value_copy="rows"))]
         return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (141, 1152, 32, 32)]]
+    if name == "sectors":  # version 20: value words in global order in shared memory against version 19's rows
+        both = [("new", 2, dict(mma=True, value_copy="rows")), ("new", 2, dict(mma=True, value_copy="sectors"))]
+        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (141, 1152, 32, 32)]]
     if name == "waves4":  # wave_splits' fewest fitting count (the default) against the counts it replaced
         return [((B, L, Hq, H), [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=old))])
                 for B, L, Hq, H, old in [(1, 131072, 32, 32, 66), (1, 32768, 32, 32, 66), (1, 131072, 32, 8, 128),

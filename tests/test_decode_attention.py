@@ -340,11 +340,11 @@ def test_mma_kernel_with_scores_ahead_matches_reference(case: Case):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
-@pytest.mark.parametrize("value_copy", ["transposed", "halves", "rows"])
+@pytest.mark.parametrize("value_copy", ["transposed", "halves", "rows", "sectors"])
 @pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
 def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_copy: str):
     """Each way the value words reach shared memory: version 15's 4-byte transposed copies, version 17's 16-byte
-    pieces in two halves, version 19's in token rows (kernel_mma_stage.py)."""
+    pieces in two halves, version 19's in token rows, version 20's in global order (kernel_mma_stage.py)."""
     check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
 
 
@@ -648,8 +648,8 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3, SCORE_AHEAD=True),  # version 18
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
-    for v_copy in (0, 1):  # version 15's and 17's value copies (2, version 19's, is the default)
-        specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, V_COPY=v_copy),
+    for v_copy, stages in ((0, 2), (1, 2), (3, 2), (3, 3)):  # versions 15, 17, 20 (19's is the default)
+        specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, V_COPY=v_copy, STAGES=stages),
                       dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     fp16_ptrs = {k: v.replace("bf16", "fp16") for k, v in gluon_ptrs.items()}
     specs.append((_decode_attention_mma_kernel, dict(fp16_ptrs, o_ptr="*fp16"),

@@ -21,6 +21,10 @@ Value words, three ways (V_COPY):
   the reader loads columns 16 c .. 16 c + 15, half c, as before. ncu counts one L2 sector and one shared
   wavefront per lane for these copies in both 1 and 2 (twice and 8x the ideal; the key-word copies show none):
   the lane order is not the cause (kernel_notes.md, version 19).
+- 3, sectors (version 20, prepared): each token's 32 bytes (one global sector) stay 32 contiguous bytes in
+  shared memory, as the key words' do: [2 halves c, 16 rho, 16] through a SharedLinearLayout whose offsets run
+  w, c, u, rho (global order), 32-byte units swizzled by rho // 4. The guess: an LDGSTS sector whose two halves
+  land apart is requested once per lane.
 """
 
 from triton.experimental import gluon
@@ -59,6 +63,17 @@ _CP_VN = gl.constexpr(gl.DistributedLinearLayout(
 _CP_VR = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 16], [0, 4], [0, 8], [1, 0], [2, 0]],
     warp_bases=[], block_bases=[], shape=[16, 32]))
+# ... or (V_COPY 3) a stage [2 c, 16 rho, 16]: offsets in global order (w, c, u, rho), u ^= rho // 4
+_VW_SECTORS = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 4], [0, 8, 8]]))
+_RD_VS3 = gl.constexpr(gl.DistributedLinearLayout(  # [1, 16, 16]: one half, lanes as _RD_VN's
+    reg_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 0, 2]], lane_bases=[[0, 4, 0], [0, 8, 0], [0, 0, 0],
+                                                                                  [0, 0, 0], [0, 0, 1]],
+    warp_bases=[], block_bases=[], shape=[1, 16, 16]))
+_CP_VS3 = gl.constexpr(gl.DistributedLinearLayout(  # lanes in address order: lane 8 rho' + 2 u + c
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 4, 0], [0, 8, 0]], lane_bases=[[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0],
+                                                                       [0, 2, 0]],
+    warp_bases=[], block_bases=[], shape=[2, 16, 16]))
 # ... read [16 rho, 16] of one half: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e (e in registers)
 _RD_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [0, 2]], lane_bases=[[4, 0], [8, 0], [0, 0], [0, 0], [0, 1]],
@@ -75,7 +90,9 @@ def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr
     kw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    if V_COPY == 2:
+    if V_COPY == 3:
+        vw = gl.allocate_shared_memory(gl.int32, [STAGES, 2, 16, 16], _VW_SECTORS)
+    elif V_COPY == 2:
         vw = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 32], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
     elif V_COPY == 1:
         vw = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
@@ -111,7 +128,15 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
     _async_load(ks.index(stage), ks_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     _async_load(kz.index(stage), kz_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     vc_page = vc_ptr + page * stride_vc_n + h * stride_vc_h
-    if V_COPY == 2:  # element (rho, 16 c + 4 u + w) is token 4 rho + u, word 4 c + w
+    if V_COPY == 3:  # element (c, rho, 4 u + w) is token 4 rho + u, word 4 c + w
+        gl.static_assert(stride_vc_t == 8)
+        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CP_VS3)))
+        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CP_VS3)))
+        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CP_VS3)))
+        tok = off + 4 * offs_r[None, :, None] + (offs_col // 4)[None, None, :]
+        _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * offs_c)[:, None, None]
+                    + (offs_col % 4)[None, None, :])
+    elif V_COPY == 2:  # element (rho, 16 c + 4 u + w) is token 4 rho + u, word 4 c + w
         gl.static_assert(stride_vc_t == 8)
         offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _CP_VR))
         offs_col = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP_VR))
@@ -148,7 +173,10 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
 def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr):
     """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW."""
     if V_COPY > 0:
-        if V_COPY == 2:
+        if V_COPY == 3:
+            x = vw.index(st).slice(g // 2, 1, dim=0).load(_RD_VS3).reshape([16, 16])
+            x = gl.convert_layout(x, _RD_VN, assert_trivial=True)
+        elif V_COPY == 2:
             x = vw.index(st).slice(16 * (g // 2), 16, dim=1).load(_RD_VN)
         else:
             x = vw.index(st).slice(16 * (g // 2), 16, dim=0).load(_RD_VN)  # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)

@@ -29,8 +29,9 @@ MMA_PER_SM = 16  # programs per SM the split count aimed for before MMA_RESIDENT
 MMA_RESIDENT: int | None = 8
 MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
 # how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies),
-# "halves" (version 17, 16-byte pieces as they lie) or "rows" (version 19, the same pieces a token row at a time)
-VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2}
+# "halves" (version 17, 16-byte pieces as they lie), "rows" (version 19, the same pieces a token row at a time) or
+# "sectors" (version 20, each token's 32 bytes kept together; prepared, not measured yet)
+VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2, "sectors": 3}
 MMA_VALUE_COPY = "rows"  # 1% faster than "halves", within noise (kernels-20261130-h200-sweep-rows.json)
 # block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-5% slower (-sweep-ahead.json)
 MMA_SCORE_AHEAD = False
