@@ -370,6 +370,9 @@ def test_mma_kernel_rejects_ineligible_calls():
     q, cache, _ = make_inputs(case)
     with pytest.raises(ValueError, match="mma needs"):
         run(decode_attention, case, q, cache, mma=True)
+    for mma in (None, False):  # the knob is checked on every path, not only where the mma kernel runs
+        with pytest.raises(ValueError, match="value_copy must be one of"):
+            run(decode_attention, case, q, cache, mma=mma, value_copy="natural")
 
 
 def _record_launches(monkeypatch, module, name):
@@ -406,6 +409,8 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, value_copy="halves")
     assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_COPY"] == 1
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
+    assert calls[-1][2]["V_COPY"] == 3
     with pytest.raises(ValueError, match="value_copy must be one of"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="natural")
     padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart

@@ -7,7 +7,7 @@ key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves
 scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane group's 16 tokens). The readers
 load each stage in a layout whose lanes match the operands' (kernel_mma_frag.py) and reshape in registers.
 
-Value words, three ways (V_COPY):
+Value words, four ways (V_COPY):
 - 0, transposed [4 chunks, 2 words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16 consecutive
   tokens of one word in 16-byte loads. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes: ncu put
   73% of the kernel's global sector requests and most of its excess shared wavefronts there.
@@ -53,8 +53,8 @@ _RD_KZ = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128]: lane 16 pick
 _RD_VW = gl.constexpr(gl.DistributedLinearLayout(  # [2 rh, 64 tokens]: token 16 a + e, word 2 g + rh
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 16], [0, 32], [0, 0], [0, 0], [1, 0]],
     warp_bases=[], block_bases=[], shape=[2, 64]))
-# natural value words [32 (c, rho), 16]: 16-byte pieces, lanes over the 4 units of 4 rows and both c (512
-# contiguous bytes per copy), registers over 4 row steps
+# (V_COPY 1) value words in halves [32 (c, rho), 16]: 16-byte pieces, lanes over the 4 units of 4 rows and both
+# c (512 contiguous bytes per copy), registers over 4 row steps
 _CP_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [16, 0]],
     warp_bases=[], block_bases=[], shape=[32, 16]))

@@ -8,7 +8,7 @@ from ..packing import expected_scale_dtype
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
-from .ops_mma import MMA_DEFAULT, launch_mma, mma_eligible
+from .ops_mma import MMA_DEFAULT, check_value_copy, launch_mma, mma_eligible
 
 _OP = "decode_attention"
 
@@ -139,6 +139,7 @@ def decode_attention(
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
                residual_length=residual_length, page_size=page_size)
+    check_value_copy(value_copy)
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     qg = q_heads // kv_heads

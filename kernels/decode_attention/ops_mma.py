@@ -33,7 +33,7 @@ MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, w
 # "sectors" (version 20, each token's 32 bytes kept together; prepared, not measured yet)
 VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2, "sectors": 3}
 MMA_VALUE_COPY = "rows"  # 1% faster than "halves", within noise (kernels-20261130-h200-sweep-rows.json)
-# block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-5% slower (-sweep-ahead.json)
+# block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-13% slower (-sweep-ahead.json)
 MMA_SCORE_AHEAD = False
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
@@ -61,6 +61,12 @@ def _blocks_aligned(t: torch.Tensor) -> bool:
             and t.stride(2) == t.shape[3] and t.stride(3) == 1)
 
 
+def check_value_copy(value_copy: str | None) -> None:
+    """A clear error for a value_copy that is not None or one of VALUE_COPIES, on every path of the call."""
+    if value_copy is not None and value_copy not in VALUE_COPIES:
+        raise ValueError(f"{_OP}: value_copy must be one of {sorted(VALUE_COPIES)}, got {value_copy!r}")
+
+
 def mma_resident(maxnreg: int) -> int | None:
     """Programs an SM holds at this register cap for the whole-wave split count (MMA_RESIDENT above 168 registers:
     2 warps per scheduler), or None below it, where the count aims at MMA_PER_SM programs per SM."""
@@ -83,9 +89,8 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     stages = (3 if score_ahead else MMA_STAGES) if stages is None else stages
     if score_ahead and stages != 3:
         raise ValueError(f"{_OP}: score_ahead needs num_stages=3, got {stages}")
+    check_value_copy(value_copy)
     value_copy = MMA_VALUE_COPY if value_copy is None else value_copy
-    if value_copy not in VALUE_COPIES:
-        raise ValueError(f"{_OP}: value_copy must be one of {sorted(VALUE_COPIES)}, got {value_copy!r}")
     if v_codes.stride(2) != 8:  # the 16-byte copies need a block's words in a row
         value_copy = "transposed"
     C.check_int(_OP, "num_stages", stages, (2, 3))
