@@ -18,7 +18,7 @@ BUDGET_S=570
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py tests/test_decode_attention_gluon.py \
     -k "mma or wide_groups or launcher or wave" > "$OUT/gpu-tests.log" 2>&1
 echo "GPU tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 

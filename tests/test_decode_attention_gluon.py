@@ -1,0 +1,284 @@
+"""The Gluon decode-attention kernels against the reference (GPU only: Gluon has no interpreter mode): the FMA
+kernel (kernel_gluon.py) and the tensor-core kernel (kernel_mma.py) on odd shapes into NaN-poisoned outputs,
+with each of their knobs; and their launchers' host side (every kernel argument passed once, eligibility,
+defaults, bad input), which runs on the CPU with a recorded launch.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before kernels are imported (conftest does it first); a GPU runs them compiled
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels.decode_attention import decode_attention, reference  # noqa: E402
+from tests.decode_attention_cases import (  # noqa: E402
+    DEVICE,
+    TOL,
+    Case,
+    check_against_reference,
+    make_inputs,
+    record_launches,
+    run,
+)
+
+# The Gluon FMA kernel (kernel_gluon.py): compiled only (Gluon has no interpreter), so these run on a GPU.
+# MHA 2-bit D=128: odd lengths, empty rows, ring-only rows, more splits than blocks, G=16/64, R=64/192,
+# pages of 256, fp32 / fp16 / bf16.
+FMA_CASES = [
+    Case((1000, 161, 0), 3, 3, 128, 2, 2, num_splits=2),
+    Case((1000, 161, 0), 3, 3, 128, 2, 2, num_splits=2, extra=(("magic", False),)),  # version 12, fp32
+    Case((700, 33, 300, 128, 129), 4, 4, 128, 2, 2, dtype=torch.float16, num_splits=3),
+    Case((700, 33, 129, 2000), 2, 2, 128, 2, 2, group_size=16, dtype=torch.bfloat16, num_splits=3,
+         extra=(("magic", False), ("cp_async", False))),
+    Case((500, 150), 2, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
+    Case((333, 290), 1, 1, 128, 2, 2, group_size=16, residual=64, page_size=256, num_splits=7),
+    Case((2000, 1), 2, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=40),
+    Case((900, 65, 0), 2, 2, 128, 2, 2, dtype=torch.bfloat16, scale_dtype=torch.float16, num_splits=3),
+    Case((1000, 161, 0, 64, 65), 3, 3, 128, 2, 2, num_splits=3, block_n=64),
+    Case((700, 33), 2, 2, 128, 2, 2, group_size=16, residual=64, dtype=torch.float16, block_n=64,
+         extra=(("maxnreg", 128),)),
+    Case((1000, 161, 0, 64, 65, 300), 3, 3, 128, 2, 2, num_splits=3, block_n=64, extra=(("cp_async", False),)),
+    Case((700, 33, 129, 2000), 2, 2, 128, 2, 2, group_size=128, residual=128, dtype=torch.float16, page_size=256,
+         num_splits=5, extra=(("cp_async", True),)),
+    Case((900, 77, 5), 2, 2, 128, 2, 2, group_size=16, residual=192, dtype=torch.bfloat16,
+         extra=(("cp_async", True),)),
+    Case((1500, 1, 200), 2, 2, 128, 2, 2, block_n=128, num_splits=2, extra=(("cp_async", True), ("maxnreg", 168))),
+    Case((333, 290), 1, 1, 128, 2, 2, group_size=16, residual=64, page_size=256, num_splits=7,
+         extra=(("cp_async", False),)),
+    # version 13's step (kernel_gluon_magic.py), both loops: odd lengths, empty and ring-only rows, splits,
+    # G=16/64/128, R=64/192, long rows, fp32 / fp16 / bf16
+    Case((1000, 161, 0, 64, 65, 300), 3, 3, 128, 2, 2, num_splits=3, extra=(("magic", True),)),
+    Case((700, 33, 129, 2000), 2, 2, 128, 2, 2, group_size=128, residual=128, dtype=torch.float16, page_size=256,
+         num_splits=5, extra=(("magic", True),)),
+    Case((900, 77, 5), 2, 2, 128, 2, 2, group_size=16, residual=192, dtype=torch.bfloat16, extra=(("magic", True),)),
+    Case((500, 150), 2, 2, 128, 2, 2, group_size=64, residual=64, dtype=torch.float16, num_splits=2,
+         extra=(("magic", True), ("cp_async", False))),
+    Case((20000, 3000), 1, 1, 128, 2, 2, dtype=torch.float32, num_splits=1, extra=(("magic", True),)),
+]
+# version 13 (the default) subtracts a magic offset after its sums (kernel_gluon_magic.py): ~1e-4 of a score and
+# of an output against fp32 math, so its fp32 cases get this tolerance (version 12 keeps fp32's 2e-5)
+MAGIC_FP32_TOL = 5e-4
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", FMA_CASES, ids=lambda c: c.id)
+def test_fma_kernel_matches_reference(case: Case):
+    from kernels.decode_attention.ops_fma import FMA_MAGIC
+
+    magic = dict(case.extra).get("magic", FMA_MAGIC)  # the launcher's default when the case does not say
+    tol = MAGIC_FP32_TOL if magic and case.dtype == torch.float32 else TOL[case.dtype]
+    check_against_reference(case, tol, block_n=case.block_n, fma=True, **dict(case.extra))
+
+
+# Version 14, the tensor-core kernel with register-built fragments (kernel_mma.py): 1 to 8 query heads per KV
+# head, fp16 / bf16, odd lengths, empty and ring-only rows, splits, G=32/64, R=64/128/192, pages of 64/256.
+MMA_CASES = [
+    Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=3),
+    Case((700, 33, 129, 2000), 8, 1, 128, 2, 2, dtype=torch.float16, num_splits=5, page_size=256),
+    Case((900, 77, 5), 6, 2, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16),
+    Case((500, 150), 4, 4, 128, 2, 2, group_size=64, residual=64, dtype=torch.float16, num_splits=2),
+    Case((333, 290, 96), 14, 2, 128, 2, 2, page_size=64, dtype=torch.bfloat16, num_splits=7),
+    Case((2000, 1), 6, 2, 128, 2, 2, dtype=torch.float16, num_splits=40),
+    Case((20000, 3000), 4, 1, 128, 2, 2, dtype=torch.bfloat16, num_splits=1),
+    Case((1000, 161, 0), 8, 8, 128, 2, 2, dtype=torch.float16),
+    # bf16 queries and ring with fp16 scales and zero points (KiviConfig.scale_dtype="float16")
+    Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, scale_dtype=torch.float16,
+         num_splits=3),
+    Case((900, 77, 5), 4, 4, 128, 2, 2, group_size=64, residual=192, dtype=torch.bfloat16,
+         scale_dtype=torch.float16),
+]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
+def test_mma_kernel_matches_reference(case: Case):
+    check_against_reference(case, TOL[case.dtype], mma=True)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
+def test_mma_kernel_with_three_stages_matches_reference(case: Case):
+    """num_stages=3: two packed blocks in flight (odd lengths, splits, pages of 256, QG 1 and 4)."""
+    check_against_reference(case, TOL[case.dtype], mma=True, num_stages=3)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
+def test_mma_kernel_with_scores_ahead_matches_reference(case: Case):
+    """score_ahead: each step scores the next block beside this block's values (3 stages; the last step scores a
+    block past its split, whose result must stay unused)."""
+    check_against_reference(case, TOL[case.dtype], mma=True, score_ahead=True)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("value_copy", ["transposed", "halves", "rows", "sectors"])
+@pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
+def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_copy: str):
+    """Each way the value words reach shared memory: version 15's 4-byte transposed copies, version 17's 16-byte
+    pieces in two halves, version 19's in token rows, version 20's in global order (kernel_mma_stage.py)."""
+    check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
+
+
+@pytest.mark.parametrize("mma", [None, True], ids=["default", "mma"])
+def test_wide_groups_with_fp16_scales_stay_finite(mma):
+    """A bf16 cache whose groups span up to ~1e5 (past fp16's range: some fp16 scales and zeros saturate at
+    +-65,504): the launcher (its default path, and the tensor-core kernel on a GPU) agrees with the reference
+    and stays finite. The table kernel dequantizes bf16 caches into bf16, so wide groups cannot overflow it."""
+    if mma and DEVICE == "cpu":
+        pytest.skip("Gluon kernels need a GPU (no interpreter mode)")
+    case = Case((700, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, scale_dtype=torch.float16, spread=2e4)
+    q, cache, _ = make_inputs(case)
+    q = (q.float() * 1e-3).to(q.dtype)  # scores of a few units, not one-hot: the check compares whole rows
+    assert cache["k_zero"][~cache["k_zero"].isnan()].abs().max() == 65504  # some group did saturate
+    expected = run(reference.decode_attention, case, q, cache).float()
+    got = run(decode_attention, case, q, cache, mma=mma).float()
+    assert expected.isfinite().all() and got.isfinite().all()
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_mma_kernel_rejects_ineligible_calls():
+    case = Case((40,), 2, 1, 64, 2, 2)  # head_dim 64, fp32, and the interpreter on the CPU
+    q, cache, _ = make_inputs(case)
+    with pytest.raises(ValueError, match="mma needs"):
+        run(decode_attention, case, q, cache, mma=True)
+    for mma in (None, False):  # the knob is checked on every path, not only where the mma kernel runs
+        with pytest.raises(ValueError, match="value_copy must be one of"):
+            run(decode_attention, case, q, cache, mma=mma, value_copy="natural")
+
+
+def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
+    """launch_mma's host side (no GPU needed): the recorded launch names every parameter of the Gluon kernel
+    exactly once, with the grid, query-group size, register cap and split count the launcher chose."""
+    from kernels.decode_attention import kernel_mma, ops_mma
+
+    calls = record_launches(monkeypatch, ops_mma, "_decode_attention_mma_kernel")
+    case = Case((300, 77, 1000), 8, 2, 128, 2, 2, dtype=torch.bfloat16)
+    q, cache, _ = make_inputs(case)
+    out = torch.empty_like(q)
+    args = [cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
+                               "block_table", "slots", "seq_lens")]
+    got = ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, None, 1152)
+    assert got is out and len(calls) == 1
+    grid, pos, kw = calls[0]
+    names = kernel_mma._decode_attention_mma_kernel.arg_names
+    passed = list(names[:len(pos)]) + [k for k in kw if k in names]
+    assert sorted(passed) == sorted(names), set(names) ^ set(passed)
+    splits = grid[2]
+    assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
+    assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
+    assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, value_copy="halves")
+    assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_COPY"] == 1
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
+    assert calls[-1][2]["V_COPY"] == 3
+    with pytest.raises(ValueError, match="value_copy must be one of"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="natural")
+    padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
+    ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="rows")
+    assert calls[-1][2]["V_COPY"] == 0  # 16-byte copies need each token's 8 words in a row
+    assert kw["SCORE_AHEAD"] == ops_mma.MMA_SCORE_AHEAD
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, score_ahead=True)
+    assert calls[-1][2]["SCORE_AHEAD"] is True and calls[-1][2]["STAGES"] == 3  # scores ahead take 3 stages
+    with pytest.raises(ValueError, match="score_ahead needs num_stages=3"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=2, score_ahead=True)
+    with pytest.raises(ValueError, match="num_stages"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=4)
+    assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace
+    with pytest.raises(ValueError, match="maxnreg"):
+        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, maxnreg=100)
+
+
+def test_mma_eligibility_follows_the_kernels_limits():
+    """mma_eligible on host tensors: what the kernel supports, and page tensors cp.async can copy whole."""
+    from kernels.decode_attention import ops_mma
+
+    case = Case((300,), 8, 2, 128, 2, 2, dtype=torch.bfloat16)
+    q, cache, _ = make_inputs(case)
+    pages = tuple(cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
+    ok = dict(k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128, qg=4)
+    from kernels.decode_attention import common
+
+    compiled = q.is_cuda and not common.interpreting() and ops_mma._decode_attention_mma_kernel is not None
+    assert ops_mma.mma_eligible(q, pages, cache["k_res"], **ok) == compiled  # CPU tensors never are
+    for bad in (dict(k_bits=4), dict(v_bits=4), dict(qg=9), dict(group_size=128), dict(page_size=96),
+                dict(residual_length=48)):
+        assert not ops_mma.mma_eligible(q, pages, cache["k_res"], **{**ok, **bad}), bad
+    assert not ops_mma.mma_eligible(q.float(), pages, cache["k_res"], **ok)  # fp32 queries take the FMA kernel
+    assert ops_mma._blocks_aligned(pages[4]) and ops_mma._blocks_aligned(pages[5])
+    assert not ops_mma._blocks_aligned(pages[4].transpose(2, 3))  # rows must be contiguous
+
+
+def test_launcher_defaults_to_the_mma_kernel_for_large_16bit_calls(monkeypatch):
+    """ops.decode_attention's choice (host side): large eligible calls, MHA and GQA, take launch_mma; small ones
+    and calls that set another path's knobs do not. (The cases here are small, so the size rule is patched to
+    call them large; the rule itself is checked on its own.)"""
+    from kernels.decode_attention import ops
+
+    assert not ops.fma_by_default(8, 640, True) and ops.fma_by_default(128, 2176, True)
+    assert not ops.fma_by_default(128, 2176, False)
+    chosen = []
+    monkeypatch.setattr(ops, "fma_by_default", lambda rows, max_tokens, eligible: eligible)
+    monkeypatch.setattr(ops, "mma_eligible", lambda *a, **k: True)
+    monkeypatch.setattr(ops, "launch_mma", lambda *a, **k: chosen.append("mma") or a[12])
+    monkeypatch.setattr(ops, "launch_fma", lambda *a, **k: chosen.append("fma") or a[12])
+    monkeypatch.setattr(ops, "fma_eligible", lambda *a, **k: True)
+    for q_heads, kv_heads in ((8, 2), (4, 4)):
+        case = Case((300, 200), q_heads, kv_heads, 128, 2, 2, dtype=torch.bfloat16)
+        q, cache, _ = make_inputs(case)
+        out = torch.empty_like(q)
+        run(decode_attention, case, q, cache, out=out)
+        run(decode_attention, case, q, cache, out=out, fma=True)  # another path's knob
+    assert chosen == ["mma", "fma", "mma", "fma"]
+    with pytest.raises(ValueError, match="mma needs"):
+        monkeypatch.setattr(ops, "mma_eligible", lambda *a, **k: False)
+        run(decode_attention, case, q, cache, out=out, mma=True)
+
+
+def test_fma_kernel_rejects_ineligible_calls():
+    case = Case((300,), 4, 2, 128, 2, 2)  # two query heads per KV head
+    q, cache, _ = make_inputs(case)
+    with pytest.raises(ValueError, match="fma needs"):
+        run(decode_attention, case, q, cache, fma=True)
+
+
+def test_fma_launcher_passes_every_kernel_argument(monkeypatch):
+    """launch_fma's host side (no GPU needed): the recorded launch names every parameter of the Gluon kernel
+    exactly once, with the grid, block size and register cap the launcher chose."""
+    from kernels.decode_attention import kernel_gluon, ops_fma
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(ops_fma, "_decode_attention_fma_kernel", Recorder())
+    case = Case((300, 77), 3, 3, 128, 2, 2)
+    q, cache, _ = make_inputs(case)
+    out = torch.empty_like(q)
+    args = [cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
+                               "block_table", "slots", "seq_lens")]
+    got = ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64)
+    assert got is out and len(calls) == 1
+    grid, pos, kw = calls[0]
+    assert grid == (2, 3, 1)
+    names = kernel_gluon._decode_attention_fma_kernel.arg_names
+    passed = list(names[:len(pos)]) + [k for k in kw if k in names]
+    assert sorted(passed) == sorted(names), set(names) ^ set(passed)
+    assert kw["BLOCK_N"] == 64 and kw["num_warps"] == 1 and kw["SPLIT"] is False
+    assert kw["ASYNC"] is True and kw["maxnreg"] == ops_fma.FMA_MAXNREG  # aligned caches take the cp.async loop
+    assert pos[0] is q and pos[12] is out
+    # value codes that are not 16-byte aligned take the plain loop by default and are refused for cp.async
+    v_codes = args[3].flatten()
+    shifted = torch.cat([v_codes[:1], v_codes]).narrow(0, 1, v_codes.numel()).view(args[3].shape)
+    assert shifted.data_ptr() % 16 and shifted.stride() == args[3].stride()
+    unaligned = args[:3] + [shifted] + args[4:]
+    ops_fma.launch_fma(q, *unaligned, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64)
+    assert calls[1][2]["ASYNC"] is False and calls[1][2]["maxnreg"] == ops_fma.FMA_MAXNREG_PLAIN
+    with pytest.raises(ValueError, match="cp_async"):
+        ops_fma.launch_fma(q, *unaligned, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64, cp_async=True)
+    with pytest.raises(ValueError, match="block_n"):
+        ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 32)
