@@ -4,21 +4,16 @@ that needs no GPU. Cases and cache builders: decode_attention_cases.py; the Gluo
 plus their launchers' host side): test_decode_attention_gluon.py.
 """
 
-import os
+# TRITON_INTERPRET is set on machines without a GPU by conftest.py, before any kernel module loads
+import inspect
+import math
 
+import pytest
 import torch
+import triton.language as tl
 
-if not torch.cuda.is_available():  # before kernels are imported (conftest does it first); a GPU runs them compiled
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import inspect  # noqa: E402
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from kernels.decode_attention import attend, decode_attention, kernel, reference  # noqa: E402
-from tests.decode_attention_cases import (  # noqa: E402
+from kernels.decode_attention import attend, decode_attention, kernel, reference
+from tests.decode_attention_cases import (
     DEVICE,
     TOL,
     Case,

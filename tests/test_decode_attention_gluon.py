@@ -4,17 +4,12 @@ with each of their knobs; and their launchers' host side (every kernel argument 
 defaults, bad input), which runs on the CPU with a recorded launch.
 """
 
-import os
-
+# TRITON_INTERPRET is set on machines without a GPU by conftest.py, before any kernel module loads
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # before kernels are imported (conftest does it first); a GPU runs them compiled
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels.decode_attention import decode_attention, reference  # noqa: E402
-from tests.decode_attention_cases import (  # noqa: E402
+from kernels.decode_attention import decode_attention, reference
+from tests.decode_attention_cases import (
     DEVICE,
     TOL,
     Case,
