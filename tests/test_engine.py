@@ -443,17 +443,26 @@ def test_fused_projections_on_a_gpu_keep_the_tokens():
     """EngineConfig.fused_projections (one matmul for q/k/v and for gate/up, captured in the CUDA graphs): an
     fp32 model gives the same greedy tokens as with separate products (fp32 rounding differences only; the
     full-precision cache, since a 2-bit cache turns such differences into different codes at group edges)."""
-    torch.manual_seed(9)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
     reqs = requests([150, 300, 40, 220], [40, 25, 60, 30], seed=4)
     outs = []
     for fused in (False, True):
-        torch.manual_seed(9)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").cuda().eval()
-        model.generation_config.eos_token_id = None
-        engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=None, max_batch_size=4, fused_projections=fused,
-                                                               max_prefill_tokens=1024, memory_limit_gib=4.0))
-        outs.append([c.token_ids for c in engine.generate(reqs)])
-        assert hasattr(model.model.layers[0].self_attn.q_proj, "_kivi_fused") == fused  # one product, or three
+        tokens, engine = gpu_fp32_tokens(reqs, max_batch_size=4, fused_projections=fused)
+        outs.append(tokens)
+        q_proj = engine.model.model.layers[0].self_attn.q_proj
+        assert hasattr(q_proj, "_kivi_fused") == fused  # one product, or three
     assert outs[0] == outs[1]
+
+
+def gpu_fp32_tokens(reqs: list[Request], **engine_config) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy tokens of `reqs` (and the engine) from a fresh fp32 Llama on the GPU (seed 9: the same weights each
+    call; hidden 256, 2 layers, 4/2 heads) with the full-precision cache and EngineConfig(**engine_config): the
+    A/B of an engine setting that may change only fp32 rounding (a 2-bit cache would turn such differences into
+    different codes at group edges)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    torch.manual_seed(9)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").cuda().eval()
+    model.generation_config.eos_token_id = None
+    engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=None, max_prefill_tokens=1024, memory_limit_gib=4.0,
+                                                           **engine_config))
+    return [c.token_ids for c in engine.generate(reqs)], engine

@@ -53,33 +53,17 @@ def test_steps_in_wider_graphs_keep_the_tokens(monkeypatch):
     """Every bucket forced into the widest graph (padding rows of length 0 beside the batch, up to 64 of them):
     the same greedy tokens as each bucket at its own width (fp32 model, full-precision cache, as in the
     fused-projections test: only rounding differences between matmul kernels could differ)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from pipeline.actors.engine import model_runner
+    from tests.test_engine import gpu_fp32_tokens, requests
 
-    from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams, model_runner
-
-    config = LlamaConfig(vocab_size=101, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    gen = torch.Generator().manual_seed(random.randrange(2**31))
-    reqs = [Request(f"r{i}", torch.randint(0, 101, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=m))
-            for i, (n, m) in enumerate(zip([150, 300, 40, 220, 90], [40, 25, 60, 30, 50], strict=True))]
-
-    class Tok:
-        eos_token_id = None
-
-        def decode(self, ids, skip_special_tokens=True):
-            return ""
-
+    reqs = requests([150, 300, 40, 220, 90], [40, 25, 60, 30, 50], seed=random.randrange(2**31))
     widest = lambda buckets, times: {b: max(times) for b in buckets}
     outs, routes = [], []
     for tune in (False, True):
         if tune:
             monkeypatch.setattr(model_runner, "route_buckets", widest)
-        torch.manual_seed(9)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").cuda().eval()
-        model.generation_config.eos_token_id = None
-        engine = LLMEngine(model, Tok(), EngineConfig(kivi=None, max_batch_size=3, tune_buckets=tune,
-                                                      max_prefill_tokens=1024, memory_limit_gib=4.0))
-        outs.append([c.token_ids for c in engine.generate(reqs)])
+        tokens, engine = gpu_fp32_tokens(reqs, max_batch_size=3, tune_buckets=tune)
+        outs.append(tokens)
         routes.append(dict(engine.runner.route))
     assert routes[0] == {1: 1, 2: 2, 3: 3} and routes[1] == {1: 64, 2: 64, 3: 64}
     assert outs[0] == outs[1]
