@@ -9,6 +9,13 @@ MMA_SHAPES = [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 
               (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
               (1, 131072, 32, 8)]
 
+# value-copy A/B plans: name -> (old copy, new copy, an engine shape beside MMA_SHAPES and B=92, L=1,280):
+# natural, version 15's transposed 4-byte copies against 16-byte ones (17); rows, version 19 against 17's halves;
+# sectors, version 20's global order against 19's rows
+VALUE_COPY_PLANS = {"natural": ("transposed", "halves", (238, 330, 32, 32)),
+                    "rows": ("halves", "rows", (141, 1152, 32, 32)),
+                    "sectors": ("rows", "sectors", (141, 1152, 32, 32))}
+
 
 def plan(name: str):
     """[(shape, [variant, ...]), ...]; shape = (B, L, Hq, H), variant = (impl, bits, tuning)."""
@@ -115,9 +122,10 @@ def plan(name: str):
     if name == "stages":  # the mma kernel's cp.async stages: 2 (one block in flight) against 3 (two)
         both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3))]
         return [(shape, both) for shape in MMA_SHAPES]
-    if name == "natural":  # the mma kernel's value words: version 15's transposed 4-byte copies against 16-byte ones
-        both = [("new", 2, dict(mma=True, value_copy="transposed")), ("new", 2, dict(mma=True, value_copy="halves"))]
-        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (238, 330, 32, 32)]]
+    if name in VALUE_COPY_PLANS:  # the mma kernel's value copies, old against new (kernel_mma_stage.py)
+        old, new, engine_shape = VALUE_COPY_PLANS[name]
+        both = [("new", 2, dict(mma=True, value_copy=old)), ("new", 2, dict(mma=True, value_copy=new))]
+        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), engine_shape]]
     if name == "waves":  # the mma kernel's split count: whole waves of 8 resident programs (the default) against
         # 16 programs per SM (the default before), on equal rows and on the engine's widths
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
@@ -132,12 +140,6 @@ def plan(name: str):
     if name == "waves3":  # batch 1, 32 KV heads: the default's 66 splits (two waves) against 32 (one whole wave)
         both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=32))]
         return [((1, 131072, 32, 32), both), ((1, 32768, 32, 32), both)]
-    if name == "rows":  # version 19: value words copied a token row at a time against version 17's two halves
-        both = [("new", 2, dict(mma=True, value_copy="halves")), ("new", 2, dict(mma=True, value_copy="rows"))]
-        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (141, 1152, 32, 32)]]
-    if name == "sectors":  # version 20: value words in global order in shared memory against version 19's rows
-        both = [("new", 2, dict(mma=True, value_copy="rows")), ("new", 2, dict(mma=True, value_copy="sectors"))]
-        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (141, 1152, 32, 32)]]
     if name == "waves4":  # wave_splits' fewest fitting count (the default) against the counts it replaced
         return [((B, L, Hq, H), [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=old))])
                 for B, L, Hq, H, old in [(1, 131072, 32, 32, 66), (1, 32768, 32, 32, 66), (1, 131072, 32, 8, 128),
