@@ -126,6 +126,12 @@ def plan(name: str):
         old, new, engine_shape = VALUE_COPY_PLANS[name]
         both = [("new", 2, dict(mma=True, value_copy=old)), ("new", 2, dict(mma=True, value_copy=new))]
         return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), engine_shape]]
+    if name == "sectors2":  # version 20 first, then 19, where the first run had 20 slower (B=64, L=32,768) or
+        # long contexts and wide batches dominate
+        both = [("new", 2, dict(mma=True, value_copy="sectors")), ("new", 2, dict(mma=True, value_copy="rows"))]
+        return [(shape, both) for shape in [(64, 32768, 32, 32), (64, 32768, 32, 8), (256, 32768, 32, 8),
+                                            (8, 32768, 32, 32), (256, 4096, 32, 32), (141, 1152, 32, 32),
+                                            (64, 4096, 32, 32), (64, 32768, 32, 32)]]
     if name == "waves":  # the mma kernel's split count: whole waves of 8 resident programs (the default) against
         # 16 programs per SM (the default before), on equal rows and on the engine's widths
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]

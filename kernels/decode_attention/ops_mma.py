@@ -30,9 +30,10 @@ MMA_RESIDENT: int | None = 8
 MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
 # how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies),
 # "halves" (version 17, 16-byte pieces as they lie), "rows" (version 19, the same pieces a token row at a time) or
-# "sectors" (version 20, each token's 32 bytes kept together; prepared, not measured yet)
+# "sectors" (version 20, each token's 32 bytes kept together: no excess sectors or wavefronts left in ncu)
 VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2, "sectors": 3}
-MMA_VALUE_COPY = "rows"  # 1% faster than "halves", within noise (kernels-20261130-h200-sweep-rows.json)
+# "sectors": 0-4% faster than "rows" on 19 of 20 shapes, a tie on one (kernels-20261130-h200-sweep-sectors*.json)
+MMA_VALUE_COPY = "sectors"
 # block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-13% slower (-sweep-ahead.json)
 MMA_SCORE_AHEAD = False
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
