@@ -21,6 +21,8 @@ Kernels (head_dim 128, 32 query heads with 32 or 8 KV heads, batch 1/8/64/256, c
   quantize_pack         kernels.kv_store store_prefill of a 4096-token prompt (batch 1 and 8; 8 and 32 KV heads)
   residual_flush        kernels.kv_store store_decode at a step where every row flushes its oldest residual group
                         (batch 64 and 256; 8 and 32 KV heads)
+  residual_append       the same at an engine's step, where 1 row in 32 flushes (rows of staggered lengths; batch
+                        141 and 238 with 32 KV heads, workloads b and a; 64 and 256 with 8)
 
 How each number is measured:
   ms            median over replays of one CUDA graph that calls the kernel many times, cycling through several
@@ -139,10 +141,11 @@ def main() -> None:
         return result
 
     if ARGS.cpu_smoke:
-        store_cfgs = dict(prefill=[(1, 256, 2, 64)], flush=[(2, 2, 64)])
+        store_cfgs = dict(prefill=[(1, 256, 2, 64)], flush=[(2, 2, 64)], append=[(3, 2, 64)])
     else:
         store_cfgs = dict(prefill=[(b, 4096, h, 128) for h in (8, 32) for b in ((1,) if ARGS.quick else (1, 8))],
-                          flush=[(b, h, 128) for h in (8, 32) for b in (64, 256)])
+                          flush=[(b, h, 128) for h in (8, 32) for b in (64, 256)],
+                          append=[(141, 32, 128), (238, 32, 128), (64, 8, 128), (256, 8, 128)])
     store_runs = [("new", t) for t in store_tunings(ARGS.tune)] + ([("v0", {})] if ARGS.store_baseline else [])
     for bits in (2, 4) if ARGS.only != "attention" else ():
         for impl, tuning in store_runs:
@@ -151,6 +154,10 @@ def main() -> None:
                 log(summary_line(records[-1]))
             for B, H, D in store_cfgs["flush"]:
                 records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, impl=impl))
+                log(summary_line(records[-1]))
+        for tuning in store_tunings(ARGS.tune):  # an engine's step: 1 row in G flushes
+            for B, H, D in store_cfgs["append"]:
+                records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, staggered=True))
                 log(summary_line(records[-1]))
     save()
     for B, L, Hq, H, D in shapes:
@@ -171,7 +178,7 @@ def main() -> None:
     return result
 
 
-STORES = ("quantize_pack", "residual_flush", "quantize_pack_v0", "residual_flush_v0")
+STORES = ("quantize_pack", "residual_flush", "residual_append", "quantize_pack_v0", "residual_flush_v0")
 
 
 def summary_line(r: dict) -> str:

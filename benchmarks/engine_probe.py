@@ -122,6 +122,8 @@ VARIANTS = {
     "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
     "model-scales": dict(),  # KIVI scales and zeros in the model's dtype (KIVI_VARIANTS)
     "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
+    "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
+    "prefill4k": dict(max_prefill_tokens=4096),
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 

@@ -221,6 +221,7 @@ def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, d
         bound_steps=probe.steps, decode_rows=probe.rows, build_s=build_s, build_in_timed_region=not prebuilt,
         build_peak_gib=build_peak, aborted_at_time_limit=aborted, oom_retries=stats.get("oom_retries"),
         num_slots=stats.get("num_slots"), num_pages=stats.get("num_pages"),
+        workspace_gib=engine.plan.workspace_bytes / GiB if getattr(engine, "plan", None) else None,
         kv_cache_gib=stats.get("kv_cache_bytes", 0) / GiB, kv_cache_bf16_equiv_gib=stats.get("kv_cache_bytes_bf16", 0)
         / GiB, request_errors=len(errors), first_request_error=errors[0] if errors else None,
         wrong_length_completions=short, mean_ttft_s=mean_ttft, sample_tokens=sample, engine_stats=stats,

@@ -8,12 +8,14 @@ from kivi_data import KIVI_POOLS, P, R, kivi_bytes, make_kivi_sets
 
 
 # --------------------------------------------------------------------------------------------------- stores
-def decode_store_bytes(B, H, D, bits, esize=2) -> int:
-    """One appended token (read k/v, write their ring slots) after a flush that reads G residual tokens and
-    writes their codes, one key scale/zero row and G value scale/zero rows."""
+def decode_store_bytes(B, H, D, bits, esize=2, flushed=None) -> int:
+    """One appended token per row (read k/v, write their ring slots) after a flush, in `flushed` rows (default
+    all), that reads G residual tokens and writes their codes, one key scale/zero row and G value scale/zero
+    rows."""
+    F = B if flushed is None else flushed
     token = 2 * 2 * B * H * D * esize
-    group = 2 * B * H * G * D * esize + B * H * G * D * 2 * bits // 8
-    scales = B * H * D * 2 * esize + B * H * G * (D // G) * 2 * esize
+    group = 2 * F * H * G * D * esize + F * H * G * D * 2 * bits // 8
+    scales = F * H * D * 2 * esize + F * H * G * (D // G) * 2 * esize
     return token + group + scales
 
 
@@ -76,13 +78,17 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
     return guarded(rec, 20 * nbytes + 2**30, body)
 
 
-def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = None, impl: str = "new") -> dict:
+def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = None, impl: str = "new",
+                      staggered: bool = False) -> dict:
+    """Every row flushes its oldest group (residual_flush), or with `staggered` only rows b % G == 0 do, as in
+    an engine's step (residual_append: row b holds L + 1 - b % G tokens)."""
     from kernels.kv_store import reference as kv_ref
 
     seq = L + 1  # token L is appended; (L - R) % G == 0, so the oldest residual group is flushed first
-    nbytes = decode_store_bytes(B, H, D, bits)
+    nbytes = decode_store_bytes(B, H, D, bits, flushed=-(-B // G) if staggered else None)
     tuning = tuning or {}
-    rec = record("residual_flush" + SUFFIX[impl], bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
+    name = "residual_append" if staggered else "residual_flush"
+    rec = record(name + SUFFIX[impl], bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
     _, store_decode = store_ops(impl)
 
     def body(rec):
@@ -92,6 +98,9 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
         kv = torch.randn(2, k_sets, B, H, D, device=DEV, dtype=DTYPE, generator=gen(24))
         pools = [data["pools"][n] for n in KIVI_POOLS]
         ints = dict(k_bits=bits, v_bits=bits, group_size=G, residual_length=R, page_size=P)
+        if staggered:
+            for s in data["sets"]:
+                s["seq_lens"] = s["seq_lens"] - torch.arange(B, device=DEV, dtype=s["seq_lens"].dtype) % G
         s = data["sets"][0]
         ref = [x.clone() for x in pools]
         store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints, **tuning)

@@ -1,0 +1,106 @@
+"""Where an engine's memory cap goes: weights, the activation workspace set aside, the cache plan, graph pools.
+
+    python benchmarks/memory_probe.py --workload a --system engine-kivi-2 --cap 40
+
+Builds the engine as bench_engine does (random Llama-2-7B shape, the cap via set_per_process_memory_fraction),
+prints allocated GiB after each stage and the plan, and one JSON object last (also to --out). GPU only.
+`memory-20261130-h200-a.json` holds what it printed for workload a (KIVI-2: the 238 residual rings are 14.9 of the
+cache's 24.7 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import env_header, write_json  # noqa: E402
+from engine_probe import build_engine, engine_config  # noqa: E402
+from engine_setup import MODELS, GiB, build_model, make_prompts, set_cap  # noqa: E402
+
+WORKLOADS = {"a": (160, 338), "b": (1024, 256), "e": (256, 2048)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="a", choices=sorted(WORKLOADS))
+    p.add_argument("--system", default="engine-kivi-2")
+    p.add_argument("--cap", type=float, default=40.0)
+    p.add_argument("--model", default="llama2-7b", choices=sorted(MODELS))
+    p.add_argument("--out", default=None, help="also write the JSON object here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("memory_probe needs a GPU")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from pipeline.actors.engine import LLMEngine, Request, SamplingParams
+
+    dev = torch.device("cuda")
+    stages = {}
+
+    def mark(name: str) -> None:
+        torch.cuda.synchronize(dev)
+        stages[name] = round(torch.cuda.memory_allocated(dev) / GiB, 3)
+        print(f"{name:>24}: {stages[name]:.3f} GiB allocated, peak {torch.cuda.max_memory_allocated(dev) / GiB:.3f}")
+
+    set_cap(args.cap, dev)
+    model = build_model(MODELS[args.model], dev)
+    mark("model")
+    engine = LLMEngine(model, _Tokenizer(), engine_config(args.system, memory_limit_gib=args.cap))
+    mark("engine object")
+    prompt_len, new = WORKLOADS[args.workload]
+    prompts = make_prompts(args.workload, (prompt_len, new), 512, seed=0, vocab=model.config.vocab_size)
+    requests = [Request(f"r{i}", q.ids, SamplingParams(max_new_tokens=q.new_tokens)) for i, q in enumerate(prompts)]
+    build_engine(engine, requests)
+    mark("built (cache, graphs)")
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(engine.cache)}
+    cache_bytes = sum(storages.values())
+    plan = engine.plan
+    out = dict(stages_gib=stages, plan=dict(num_slots=plan.num_slots, num_pages=plan.num_pages,
+                                             budget_gib=plan.budget_bytes / GiB,
+                                             workspace_gib=plan.workspace_bytes / GiB),
+               cache_tensors_gib=cache_bytes / GiB, slot_bytes=engine.cache.slot_bytes,
+               page_bytes=engine.cache.page_bytes, params_gib=sum(p.numel() * 2 for p in model.parameters()) / GiB,
+               buffers_gib=sum(b.numel() * b.element_size() for b in model.buffers()) / GiB)
+    out = dict(header=env_header(dev), args=vars(args), **out)
+    if args.out:
+        write_json(args.out, out)
+    print(json.dumps(out))
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def _tensors(obj, seen=None):
+    """Every tensor reachable from obj's attributes, lists and dicts (each once)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return
+    for item in items:
+        yield from _tensors(item, seen)
+
+
+if __name__ == "__main__":
+    main()
