@@ -9,12 +9,10 @@ MMA_SHAPES = [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 
               (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
               (1, 131072, 32, 8)]
 
-# value-copy A/B plans: name -> (old copy, new copy, an engine shape beside MMA_SHAPES and B=92, L=1,280):
-# natural, version 15's transposed 4-byte copies against 16-byte ones (17); rows, version 19 against 17's halves;
-# sectors, version 20's global order against 19's rows
-VALUE_COPY_PLANS = {"natural": ("transposed", "halves", (238, 330, 32, 32)),
-                    "rows": ("halves", "rows", (141, 1152, 32, 32)),
-                    "sectors": ("rows", "sectors", (141, 1152, 32, 32))}
+# value-copy A/B plans: name -> (old copy, new copy, an engine shape beside MMA_SHAPES and B=92, L=1,280). Plans
+# natural (transposed against version 17's "halves"), rows (halves against version 19's "rows") and sectors (rows
+# against version 20) ran before versions 17 and 19 were removed; copies: transposed against sectors
+VALUE_COPY_PLANS = {"copies": ("transposed", "sectors", (141, 1152, 32, 32))}
 
 
 def plan(name: str):
@@ -126,12 +124,6 @@ def plan(name: str):
         old, new, engine_shape = VALUE_COPY_PLANS[name]
         both = [("new", 2, dict(mma=True, value_copy=old)), ("new", 2, dict(mma=True, value_copy=new))]
         return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), engine_shape]]
-    if name == "sectors2":  # version 20 first, then 19, where the first run had 20 slower (B=64, L=32,768) or
-        # long contexts and wide batches dominate
-        both = [("new", 2, dict(mma=True, value_copy="sectors")), ("new", 2, dict(mma=True, value_copy="rows"))]
-        return [(shape, both) for shape in [(64, 32768, 32, 32), (64, 32768, 32, 8), (256, 32768, 32, 8),
-                                            (8, 32768, 32, 32), (256, 4096, 32, 32), (141, 1152, 32, 32),
-                                            (64, 4096, 32, 32), (64, 32768, 32, 32)]]
     if name == "waves":  # the mma kernel's split count: whole waves of 8 resident programs (the default) against
         # 16 programs per SM (the default before), on equal rows and on the engine's widths
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]

@@ -109,7 +109,7 @@ def test_mma_kernel_with_scores_ahead_matches_reference(case: Case):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
-@pytest.mark.parametrize("value_copy", ["transposed", "halves", "rows", "sectors"])
+@pytest.mark.parametrize("value_copy", ["transposed", "sectors"])
 @pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
 def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_copy: str):
     """Each way the value words reach shared memory: version 15's 4-byte transposed copies, version 17's 16-byte
@@ -165,14 +165,15 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
     assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
     assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
-    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, value_copy="halves")
-    assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_COPY"] == 1
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, value_copy="transposed")
+    assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_COPY"] == 0
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
-    assert calls[-1][2]["V_COPY"] == 3
-    with pytest.raises(ValueError, match="value_copy must be one of"):
-        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="natural")
+    assert calls[-1][2]["V_COPY"] == 1
+    for gone in ("natural", "halves", "rows"):  # versions 17 and 19 were removed
+        with pytest.raises(ValueError, match="value_copy must be one of"):
+            ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy=gone)
     padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
-    ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="rows")
+    ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
     assert calls[-1][2]["V_COPY"] == 0  # 16-byte copies need each token's 8 words in a row
     assert kw["SCORE_AHEAD"] == ops_mma.MMA_SCORE_AHEAD
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, score_ahead=True)

@@ -83,7 +83,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 2, SCORE_AHEAD: gl.constexpr = False,
+    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, SCORE_AHEAD: gl.constexpr = False,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring as units of 16 slots); output acc / l in o_ptr's

@@ -7,24 +7,17 @@ key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves
 scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane group's 16 tokens). The readers
 load each stage in a layout whose lanes match the operands' (kernel_mma_frag.py) and reshape in registers.
 
-Value words, four ways (V_COPY):
+Value words, two ways (V_COPY; kernel_notes.md, versions 15-20, for the two that came between):
 - 0, transposed [4 chunks, 2 words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16 consecutive
-  tokens of one word in 16-byte loads. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes: ncu put
-  73% of the kernel's global sector requests and most of its excess shared wavefronts there.
-- 1, halves (version 17): the block's 2 KiB as they lie in global memory, in 16-byte pieces (4 copies a lane,
-  each warp-wide copy 512 contiguous bytes), stored as [2 halves c, 16 rows, 16]: half c holds words 4 c ..
-  4 c + 3, row rho and column 4 u + w hold token 4 rho + u, word 4 c + w; 16-byte units swizzled by rho // 4
-  so that the reader's 4-byte loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks.
-  Each 8 lanes of a copy (one 128-byte wavefront) hold 8 half tokens, 16 bytes of 8 sectors.
-- 2, rows (version 19): the same pieces stored as [16 rows, 32]: row rho holds tokens 4 rho .. 4 rho + 3 whole
-  (column 16 c + 4 u + w: token 4 rho + u, word 4 c + w), so 8 lanes copy 128 contiguous bytes into one row;
-  the reader loads columns 16 c .. 16 c + 15, half c, as before. ncu counts one L2 sector and one shared
-  wavefront per lane for these copies in both 1 and 2 (twice and 8x the ideal; the key-word copies show none):
-  the lane order is not the cause (kernel_notes.md, version 19).
-- 3, sectors (version 20, prepared): each token's 32 bytes (one global sector) stay 32 contiguous bytes in
-  shared memory, as the key words' do: [2 halves c, 16 rho, 16] through a SharedLinearLayout whose offsets run
-  w, c, u, rho (global order), 32-byte units swizzled by rho // 4. The guess: an LDGSTS sector whose two halves
-  land apart is requested once per lane.
+  tokens of one word in 16-byte loads; the fallback where a token's 8 words are not contiguous. Each warp-wide
+  4-byte copy touches 32 sectors for 128 bytes.
+- 1, sectors (version 20, the default): the block's 2 KiB copied as they lie in 16-byte pieces, each token's 32
+  bytes (one global sector) kept 32 contiguous bytes in shared memory, as the key words' are: [2 halves c,
+  16 rho, 16] through a SharedLinearLayout whose offsets run w, c, u, rho (global order; element (c, rho,
+  4 u + w) is token 4 rho + u, word 4 c + w), 32-byte units swizzled by rho // 4 so that the reader's 4-byte
+  loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks. Versions 17 and 19 split a
+  token's sector in two in shared memory, and LDGSTS then asked for the sector once per lane (1.3x the
+  kernel's ideal global sectors); here ncu counts 1.015x.
 """
 
 from triton.experimental import gluon
@@ -53,28 +46,18 @@ _RD_KZ = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128]: lane 16 pick
 _RD_VW = gl.constexpr(gl.DistributedLinearLayout(  # [2 rh, 64 tokens]: token 16 a + e, word 2 g + rh
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 16], [0, 32], [0, 0], [0, 0], [1, 0]],
     warp_bases=[], block_bases=[], shape=[2, 64]))
-# (V_COPY 1) value words in halves [32 (c, rho), 16]: 16-byte pieces, lanes over the 4 units of 4 rows and both
-# c (512 contiguous bytes per copy), registers over 4 row steps
-_CP_VN = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [16, 0]],
-    warp_bases=[], block_bases=[], shape=[32, 16]))
-# ... or (V_COPY 2) [16 rho, 32]: 8 lanes a row, tokens 4 rho .. 4 rho + 3 whole, lanes in address order (lane
-# 2 u + c: token 4 rho + u, half c)
-_CP_VR = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [4, 0], [8, 0]], lane_bases=[[0, 16], [0, 4], [0, 8], [1, 0], [2, 0]],
-    warp_bases=[], block_bases=[], shape=[16, 32]))
-# ... or (V_COPY 3) a stage [2 c, 16 rho, 16]: offsets in global order (w, c, u, rho), u ^= rho // 4
+# (V_COPY 1) a stage [2 c, 16 rho, 16]: offsets in global order (w, c, u, rho), u ^= rho // 4
 _VW_SECTORS = gl.constexpr(gl.SharedLinearLayout(
     offset_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 4], [0, 8, 8]]))
-_RD_VS3 = gl.constexpr(gl.DistributedLinearLayout(  # [1, 16, 16]: one half, lanes as _RD_VN's
+_RD_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # [1, 16, 16]: one half, lanes as _RD_VN's
     reg_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 0, 2]], lane_bases=[[0, 4, 0], [0, 8, 0], [0, 0, 0],
                                                                                   [0, 0, 0], [0, 0, 1]],
     warp_bases=[], block_bases=[], shape=[1, 16, 16]))
-_CP_VS3 = gl.constexpr(gl.DistributedLinearLayout(  # lanes in address order: lane 8 rho' + 2 u + c
+_CP_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # lanes in address order: lane 8 rho' + 2 u + c
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 4, 0], [0, 8, 0]], lane_bases=[[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0],
                                                                        [0, 2, 0]],
     warp_bases=[], block_bases=[], shape=[2, 16, 16]))
-# ... read [16 rho, 16] of one half: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e (e in registers)
+# a half as [16 rho, 16] in the reader's lanes: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e
 _RD_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [0, 2]], lane_bases=[[4, 0], [8, 0], [0, 0], [0, 0], [0, 1]],
     warp_bases=[], block_bases=[], shape=[16, 16]))
@@ -90,12 +73,8 @@ def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr
     kw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    if V_COPY == 3:
+    if V_COPY == 1:
         vw = gl.allocate_shared_memory(gl.int32, [STAGES, 2, 16, 16], _VW_SECTORS)
-    elif V_COPY == 2:
-        vw = gl.allocate_shared_memory(gl.int32, [STAGES, 16, 32], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
-    elif V_COPY == 1:
-        vw = gl.allocate_shared_memory(gl.int32, [STAGES, 32, 16], gl.SwizzledSharedLayout(4, 4, 4, [1, 0]))
     else:
         vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     VS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
@@ -128,27 +107,14 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
     _async_load(ks.index(stage), ks_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     _async_load(kz.index(stage), kz_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     vc_page = vc_ptr + page * stride_vc_n + h * stride_vc_h
-    if V_COPY == 3:  # element (c, rho, 4 u + w) is token 4 rho + u, word 4 c + w
-        gl.static_assert(stride_vc_t == 8)
-        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CP_VS3)))
-        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CP_VS3)))
-        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CP_VS3)))
+    if V_COPY == 1:  # element (c, rho, 4 u + w) is token 4 rho + u, word 4 c + w
+        gl.static_assert(stride_vc_t == 8)  # 128 channels at 2 bits: a block's words are 2 KiB in a row
+        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CP_VSEC)))
+        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CP_VSEC)))
+        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CP_VSEC)))
         tok = off + 4 * offs_r[None, :, None] + (offs_col // 4)[None, None, :]
         _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * offs_c)[:, None, None]
                     + (offs_col % 4)[None, None, :])
-    elif V_COPY == 2:  # element (rho, 16 c + 4 u + w) is token 4 rho + u, word 4 c + w
-        gl.static_assert(stride_vc_t == 8)
-        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(1, _CP_VR))
-        offs_col = gl.arange(0, 32, layout=gl.SliceLayout(0, _CP_VR))
-        tok = off + 4 * offs_r[:, None] + ((offs_col // 4) % 4)[None, :]
-        _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * (offs_col // 16) + offs_col % 4)[None, :])
-    elif V_COPY == 1:  # value words as they lie: element (16 c + rho, 4 u + w) is token 4 rho + u, word 4 c + w
-        gl.static_assert(stride_vc_t == 8)  # 128 channels at 2 bits: a block's words are 2 KiB in a row
-        offs_r = gl.arange(0, 32, layout=gl.SliceLayout(1, _CP_VN))
-        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, _CP_VN))
-        tok = off + 4 * (offs_r % 16)[:, None] + (offs_col // 4)[None, :]
-        _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * (offs_r // 16))[:, None]
-                    + (offs_col % 4)[None, :])
     else:  # transposed: [2 words, 64 tokens] for each 32-channel chunk g (words 2 g, 2 g + 1)
         offs_w = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_VW))
         offs_t = gl.arange(0, 64, layout=gl.SliceLayout(0, _CP_VW))
@@ -172,14 +138,10 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
 @gluon.jit
 def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr):
     """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW."""
-    if V_COPY > 0:
-        if V_COPY == 3:
-            x = vw.index(st).slice(g // 2, 1, dim=0).load(_RD_VS3).reshape([16, 16])
-            x = gl.convert_layout(x, _RD_VN, assert_trivial=True)
-        elif V_COPY == 2:
-            x = vw.index(st).slice(16 * (g // 2), 16, dim=1).load(_RD_VN)
-        else:
-            x = vw.index(st).slice(16 * (g // 2), 16, dim=0).load(_RD_VN)  # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
+    if V_COPY == 1:
+        x = vw.index(st).slice(g // 2, 1, dim=0).load(_RD_VSEC).reshape([16, 16])
+        # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
+        x = gl.convert_layout(x, _RD_VN, assert_trivial=True)
         x = x.reshape([2, 2, 2, 2, 2, 2, 2, 2]).permute(7, 0, 1, 2, 3, 4, 5, 6).reshape([2, 64, 2])
         w_even, w_odd = gl.split(x)  # words 2 (2 c) + rh and 2 (2 c + 1) + rh, token 16 a + e
         w = w_even if g % 2 == 0 else w_odd

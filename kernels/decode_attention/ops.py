@@ -132,7 +132,7 @@ def decode_attention(
     ops_fma.FMA_MAGIC), mma (2-bit keys and values, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16,
     on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; the default where
     eligible and large enough, ahead of fma; of the other knobs only num_splits, maxnreg, num_stages (its
-    cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed", "halves", "rows" or "sectors",
+    cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed" or "sectors",
     kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and score_ahead (the next block's scores beside this
     block's values, kernel_mma_loop.py; default ops_mma.MMA_SCORE_AHEAD) apply).
     """

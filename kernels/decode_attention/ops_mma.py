@@ -28,11 +28,11 @@ MMA_PER_SM = 16  # programs per SM the split count aimed for before MMA_RESIDENT
 # count fills whole waves of them (common.wave_splits). None: aim at MMA_PER_SM programs per SM instead.
 MMA_RESIDENT: int | None = 8
 MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
-# how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies),
-# "halves" (version 17, 16-byte pieces as they lie), "rows" (version 19, the same pieces a token row at a time) or
-# "sectors" (version 20, each token's 32 bytes kept together: no excess sectors or wavefronts left in ncu)
-VALUE_COPIES = {"transposed": 0, "halves": 1, "rows": 2, "sectors": 3}
-# "sectors": 0-4% faster than "rows" on 19 of 20 shapes, a tie on one (kernels-20261130-h200-sweep-sectors*.json)
+# how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies; the
+# fallback where a token's words are not contiguous) or "sectors" (version 20, 16-byte copies as they lie, each
+# token's 32 bytes kept together). Versions 17 and 19 ("halves", "rows") were removed once 20 was measured:
+# 0.96-1.00x of 19's time on 19 of 20 shapes (kernels-20261130-h200-sweep-sectors*.json)
+VALUE_COPIES = {"transposed": 0, "sectors": 1}
 MMA_VALUE_COPY = "sectors"
 # block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-13% slower (-sweep-ahead.json)
 MMA_SCORE_AHEAD = False
