@@ -87,7 +87,7 @@ from kernel_cases import (  # noqa: E402
     bench_sdpa,
     decode_candidates,
 )
-from store_cases import bench_store_flush, bench_store_prefill, store_tunings  # noqa: E402
+from store_cases import LOOP_TUNINGS, bench_store_flush, bench_store_prefill, store_tunings  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -155,7 +155,11 @@ def main() -> None:
             for B, H, D in store_cfgs["flush"]:
                 records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, impl=impl))
                 log(summary_line(records[-1]))
-        for tuning in store_tunings(ARGS.tune):  # an engine's step: 1 row in G flushes
+        for tuning in LOOP_TUNINGS:  # the decode store's prepared loop over a head's chunks, beside the default
+            for B, H, D in store_cfgs["flush"]:
+                records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning))
+                log(summary_line(records[-1]))
+        for tuning in store_tunings(ARGS.tune) + LOOP_TUNINGS:  # an engine's step: 1 row in G flushes
             for B, H, D in store_cfgs["append"]:
                 records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, staggered=True))
                 log(summary_line(records[-1]))

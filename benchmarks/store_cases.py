@@ -22,6 +22,10 @@ def decode_store_bytes(B, H, D, bits, esize=2, flushed=None) -> int:
 SUFFIX = {"new": "", "v0": "_v0"}  # record names: quantize_pack, quantize_pack_v0, ...
 # launch configurations --tune tries beside the default: (block_c, num_warps)
 STORE_CANDIDATES = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (128, 4)]
+# store_decode with one program per head's keys or values (loop_chunks, prepared): run beside the default in
+# every store run, on the flush and the append cases
+LOOP_TUNINGS = [dict(loop_chunks=True, block_c=32), dict(loop_chunks=True, block_c=32, num_warps=2),
+                dict(loop_chunks=True)]
 
 
 def store_ops(impl: str):

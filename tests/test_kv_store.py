@@ -256,15 +256,18 @@ def test_triton_prefill_matches_reference(request, case):
     assert_same(got, want)
 
 
-# D, G, block_c, num_warps: chunks of keys and values per program (D = 96: the last chunk is partly past D)
-TUNINGS = [(96, 32, None, 1), (96, 32, 32, 2), (64, 16, 16, 1), (128, 32, 128, 4)]
+# D, G, block_c, num_warps, loop_chunks: chunks of keys and values per program (D = 96: the last chunk is partly
+# past D), and the decode store's loop over a head's chunks in one program
+TUNINGS = [(96, 32, None, 1, False), (96, 32, 32, 2, False), (64, 16, 16, 1, False), (128, 32, 128, 4, False),
+           (96, 32, 32, 1, True), (64, 16, 16, 2, True), (128, 32, None, 1, True)]
 
 
-@pytest.mark.parametrize("tuning", TUNINGS, ids=[f"D{t[0]}-G{t[1]}-c{t[2]}-w{t[3]}" for t in TUNINGS])
+@pytest.mark.parametrize("tuning", TUNINGS, ids=[f"D{t[0]}-G{t[1]}-c{t[2]}-w{t[3]}" + ("-loop" if t[4] else "")
+                                                 for t in TUNINGS])
 def test_triton_tuning_matches_reference(request, tuning):
     """Every channel-chunk width and warp count stores what the reference stores: a prefill, then decode
     appends through a flush (the prefill leaves a full ring behind)."""
-    D, G, block_c, num_warps = tuning
+    D, G, block_c, num_warps, loop_chunks = tuning
     cfg, dtype = cfg_of(2, 4, G=G, R=2 * G, P=2 * G), torch.float16
     B, H, N, lengths = 2, 2, 16, [3 * G + 5, 2 * G]
     key, value, starts, lens, slots, bt = make_batch(seeded(request), B, H, 4 * G, D, lengths, dtype, num_pages=N)
@@ -279,7 +282,7 @@ def test_triton_tuning_matches_reference(request, tuning):
         seq_lens = torch.where(pos < lens, pos + 1, 0).int()
         at = (starts + pos).clamp(max=key.shape[2] - 1)
         ops.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt, *(got[n] for n in POOLS), **cfg,
-                         block_c=block_c, num_warps=num_warps)
+                         block_c=block_c, num_warps=num_warps, loop_chunks=loop_chunks)
         SPEC.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt, *(want[n] for n in POOLS), **cfg)
     assert_same(got, want)
 
@@ -298,14 +301,15 @@ def test_bad_tuning_is_a_clear_error():
         ops.store_decode(key, key, one, one, table, *(pools[n] for n in POOLS), **cfg, num_warps=3)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "triton-loop"])
 @pytest.mark.parametrize("bits", [(2, 4), (4, 2)], ids=["k2v4", "k4v2"])
 def test_decode_appends_match_one_prefill(request, backend, bits):
     """Prefill part of each row, append the rest one token at a time (several flushes, rows finishing at
     different steps, one always-inactive row), then compare with store_prefill of the whole sequences:
     the pages must be identical (so flushes follow nq = G * ceil(max(0, L - R) / G)) and so must the live
     ring slots [nq, L)."""
-    mod = BACKENDS[backend]
+    mod = BACKENDS[backend.removesuffix("-loop")]
+    loop = dict(loop_chunks=True) if backend.endswith("-loop") else {}  # one program per head's keys or values
     cfg, dtype = cfg_of(*bits, G=16, R=32, P=32), torch.float16
     B, H, D, N = 3, 2, 64, 60
     total, first = [90, 115, 0], [20, 45, 0]
@@ -320,7 +324,7 @@ def test_decode_appends_match_one_prefill(request, backend, bits):
         seq_lens = torch.where(live, pos + 1, 0).int()
         at = (starts + pos).clamp(max=key.shape[2] - 1)
         mod.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt,
-                         *(step_pools[n] for n in POOLS), **cfg)
+                         *(step_pools[n] for n in POOLS), **cfg, **loop)
     whole = make_pools(N, B + 2, H, D, cfg, dtype)
     run_prefill(SPEC, (key, value, starts, lengths, slots, bt), whole, cfg)
     assert_same(step_pools, whole, names=POOLS[:6])
@@ -382,6 +386,7 @@ for fn in (kernel.store_prefill_kernel, kernel.store_decode_kernel):
         ptr_ty = lambda n: "*i32" if n in INT_PTRS else "*" + (scales if "scale" in n or "zero" in n else data)
         sig = {p.name: "constexpr" if p.is_constexpr else ptr_ty(p.name) if p.name.endswith("_ptr") else "i32"
                for p in fn.params}
+        consts = {k: v for k, v in consts.items() if k in sig}  # LOOP_CHUNKS, BLOCK_D: the decode kernel's only
         src = triton.compiler.ASTSource(fn, sig, consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
@@ -397,7 +402,9 @@ def test_kernels_compile_for_h200(tmp_path):
     reference, and the decode kernel must keep its barrier between the flush and the overwrite."""
     configs = [("fp16", dict(K_BITS=2, V_BITS=4, GROUP=32, RESIDUAL=128, PAGE=64, BLOCK_C=64, NC=1)),
                ("bf16", dict(K_BITS=4, V_BITS=2, GROUP=16, RESIDUAL=32, PAGE=48, BLOCK_C=64, NC=2)),
-               ("bf16/fp16", dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, BLOCK_C=64, NC=2))]
+               ("bf16/fp16", dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, BLOCK_C=64, NC=2)),
+               ("bf16/fp16", dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, BLOCK_C=32, NC=4,
+                                  LOOP_CHUNKS=True, BLOCK_D=128))]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -406,7 +413,7 @@ def test_kernels_compile_for_h200(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 6
+    assert len(results) == 8
     for r in results:
         assert r["cubin"] > 0
         assert "div.rn.f32" in r["ops"] and "fma.rn.f32" not in r["ops"], r

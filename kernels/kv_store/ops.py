@@ -15,6 +15,9 @@ from ..packing import expected_scale_dtype
 from .kernel import store_decode_kernel, store_prefill_kernel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# store_decode: one program per head's keys or values, its flush a loop over channel chunks (prepared, not
+# measured: kernel_notes.md, store kernels, 12)
+STORE_LOOP_CHUNKS = False
 
 
 def _check_tensor(name: str, t, shape, dtype, device) -> None:
@@ -155,12 +158,14 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
 def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero,
                  v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
                  residual_length: int, page_size: int, block_c: int | None = None,
-                 num_warps: int | None = None) -> None:
+                 num_warps: int | None = None, loop_chunks: bool | None = None) -> None:
     """Append one token per row (in place): key, value [B, H, D] are token L = seq_lens[b] - 1.
 
     seq_lens, slots: int32 [B] (seq_lens 0 = inactive row, skipped). Other tensors as in store_prefill.
     When L >= R and (L - R) % G == 0 the oldest group (slots (L - R) % R ..) is quantized into page
-    block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R. Tuning as in store_prefill.
+    block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R. Tuning as in store_prefill,
+    and loop_chunks (default STORE_LOOP_CHUNKS): one program for the keys or the values of a whole head, its
+    flush going over the chunks of block_c channels in turn (kernel.py, _append_head).
     """
     check_store_args(key, value, (("seq_lens", seq_lens),), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
@@ -172,7 +177,8 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
     if B == 0:
         return
     cfg = _launch_config(key, group_size, block_c, num_warps)
-    store_decode_kernel[(B, H, 2 * cfg["NC"])](
+    loop_chunks = STORE_LOOP_CHUNKS if loop_chunks is None else bool(loop_chunks)
+    store_decode_kernel[(B, H, 2 if loop_chunks else 2 * cfg["NC"])](
         key_ptr=key, value_ptr=value, seq_lens_ptr=seq_lens, slots_ptr=slots, block_table_ptr=block_table,
         k_codes_ptr=k_codes, k_scale_ptr=k_scale, k_zero_ptr=k_zero,
         v_codes_ptr=v_codes, v_scale_ptr=v_scale, v_zero_ptr=v_zero, k_res_ptr=k_res, v_res_ptr=v_res,
@@ -181,5 +187,6 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
         stride_value_b=value.stride(0), stride_value_h=value.stride(1),
         stride_bt_s=block_table.stride(0),
         **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
-        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, **cfg,
+        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
+        LOOP_CHUNKS=loop_chunks, BLOCK_D=triton.next_power_of_2(D), **cfg,
     )
