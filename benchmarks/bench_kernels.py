@@ -21,8 +21,8 @@ Kernels (head_dim 128, 32 query heads with 32 or 8 KV heads, batch 1/8/64/256, c
   quantize_pack         kernels.kv_store store_prefill of a 4096-token prompt (batch 1 and 8; 8 and 32 KV heads)
   residual_flush        kernels.kv_store store_decode at a step where every row flushes its oldest residual group
                         (batch 64 and 256; 8 and 32 KV heads)
-  residual_append       the same at an engine's step, where 1 row in 32 flushes (rows of staggered lengths; batch
-                        141 and 238 with 32 KV heads, workloads b and a; 64 and 256 with 8)
+  residual_append       the same at an engine's step, where 1 row in 32 flushes (rows of staggered lengths up to
+                        1,153 tokens; batch 141 and 238 with 32 KV heads, workloads b and a; 64 and 256 with 8)
 
 How each number is measured:
   ms            median over replays of one CUDA graph that calls the kernel many times, cycling through several
@@ -161,7 +161,7 @@ def main() -> None:
                 log(summary_line(records[-1]))
         for tuning in store_tunings(ARGS.tune) + LOOP_TUNINGS:  # an engine's step: 1 row in G flushes
             for B, H, D in store_cfgs["append"]:
-                records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, staggered=True))
+                records.append(bench_store_flush(B, H, D, bits, copy_gbps, L=1152, tuning=tuning, staggered=True))
                 log(summary_line(records[-1]))
     save()
     for B, L, Hq, H, D in shapes:

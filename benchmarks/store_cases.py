@@ -85,7 +85,8 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
 def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = None, impl: str = "new",
                       staggered: bool = False) -> dict:
     """Every row flushes its oldest group (residual_flush), or with `staggered` only rows b % G == 0 do, as in
-    an engine's step (residual_append: row b holds L + 1 - b % G tokens)."""
+    an engine's step (residual_append: row b holds L + 1 - b % G tokens; bench_kernels gives it L=1,152, b's
+    length, whose pools fit 16 sets where L=4,096's would not)."""
     from kernels.kv_store import reference as kv_ref
 
     seq = L + 1  # token L is appended; (L - R) % G == 0, so the oldest residual group is flushed first
@@ -95,9 +96,10 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
     rec = record(name + SUFFIX[impl], bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
     _, store_decode = store_ops(impl)
 
+    k_sets = n_sets(nbytes, max_sets=16)
+
     def body(rec):
         assert (seq - 1 - R) % G == 0
-        k_sets = n_sets(nbytes, max_sets=16)
         data = make_kivi_sets(B, seq, H, H, D, bits, bits, DTYPE, DEV, k_sets, seed=23)
         kv = torch.randn(2, k_sets, B, H, D, device=DEV, dtype=DTYPE, generator=gen(24))
         pools = [data["pools"][n] for n in KIVI_POOLS]
@@ -117,4 +119,5 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
             store_decode(kv[0, i], kv[1, i], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints, **tuning)
         finish(rec, timed([lambda i=i: one(i) for i in range(k_sets)]), nbytes)
 
-    return guarded(rec, 16 * kivi_bytes(B, seq, H, H, D, bits, bits) + 2**30, body)
+    # k_sets sets of pools and the reference's clone of them
+    return guarded(rec, 2 * k_sets * kivi_bytes(B, seq, H, H, D, bits, bits) + 2**30, body)

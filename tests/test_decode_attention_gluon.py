@@ -112,8 +112,8 @@ def test_mma_kernel_with_scores_ahead_matches_reference(case: Case):
 @pytest.mark.parametrize("value_copy", ["transposed", "sectors"])
 @pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
 def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_copy: str):
-    """Each way the value words reach shared memory: version 15's 4-byte transposed copies, version 17's 16-byte
-    pieces in two halves, version 19's in token rows, version 20's in global order (kernel_mma_stage.py)."""
+    """Each way the value words reach shared memory: version 15's 4-byte transposed copies and version 20's
+    16-byte pieces in global order (kernel_mma_stage.py)."""
     check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
 
 

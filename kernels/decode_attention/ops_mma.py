@@ -31,7 +31,7 @@ MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, w
 # how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies; the
 # fallback where a token's words are not contiguous) or "sectors" (version 20, 16-byte copies as they lie, each
 # token's 32 bytes kept together). Versions 17 and 19 ("halves", "rows") were removed once 20 was measured:
-# 0.96-1.00x of 19's time on 19 of 20 shapes (kernels-20261130-h200-sweep-sectors*.json)
+# 0.96-1.00x of 19's time on 20 of 21 rows over 16 shapes (kernels-20261130-h200-sweep-sectors*.json)
 VALUE_COPIES = {"transposed": 0, "sectors": 1}
 MMA_VALUE_COPY = "sectors"
 # block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-13% slower (-sweep-ahead.json)

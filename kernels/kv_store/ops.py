@@ -188,5 +188,5 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
         stride_bt_s=block_table.stride(0),
         **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        LOOP_CHUNKS=loop_chunks, BLOCK_D=triton.next_power_of_2(D), **cfg,
+        LOOP_CHUNKS=loop_chunks, BLOCK_D=triton.next_power_of_2(D) if loop_chunks else 1, **cfg,
     )

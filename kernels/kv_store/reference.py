@@ -77,8 +77,9 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
 def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero,
                  v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
                  residual_length: int, page_size: int, block_c: int | None = None,
-                 num_warps: int | None = None) -> None:
-    """Reference of ops.store_decode: key, value [B, H, D] = token L = seq_lens[b] - 1 (0 = inactive row).
+                 num_warps: int | None = None, loop_chunks: bool | None = None) -> None:
+    """Reference of ops.store_decode: key, value [B, H, D] = token L = seq_lens[b] - 1 (0 = inactive row);
+    block_c, num_warps and loop_chunks (the kernel's tuning) are accepted and ignored.
 
     If L >= R and (L - R) % G == 0, ring slots (L - R) % R + [0, G) are quantized into page
     block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R.
