@@ -4,6 +4,7 @@ deadline)."""
 
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import contextmanager
 
@@ -124,8 +125,27 @@ VARIANTS = {
     "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
     "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
     "prefill4k": dict(max_prefill_tokens=4096),
+    "loop-store": dict(),  # the decode store's prepared loop over a head's chunks (KERNEL_VARIANTS)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
+# the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
+KERNEL_VARIANTS = {"loop-store": ("kernels.kv_store.ops", "STORE_LOOP_CHUNKS", True)}
+
+
+@contextmanager
+def kernel_variant(system: str):
+    """Set a kernel default for a system's run (its graphs are captured inside it), then put it back."""
+    spec = KERNEL_VARIANTS.get(split_system(system)[1] or "")
+    if spec is None:
+        yield
+        return
+    module = importlib.import_module(spec[0])
+    before = getattr(module, spec[1])
+    setattr(module, spec[1], spec[2])
+    try:
+        yield
+    finally:
+        setattr(module, spec[1], before)
 
 
 def split_system(system: str) -> tuple[str, str | None]:

@@ -7,7 +7,15 @@ import inspect
 import time
 
 import torch
-from engine_probe import RunnerProbe, TimeUp, build_engine, engine_config, instrumented_runner, step_costs
+from engine_probe import (
+    RunnerProbe,
+    TimeUp,
+    build_engine,
+    engine_config,
+    instrumented_runner,
+    kernel_variant,
+    step_costs,
+)
 from engine_setup import (
     GiB,
     KVFormat,
@@ -170,6 +178,11 @@ def run_hf(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadl
 
 # -- our engine -------------------------------------------------------------------------------------------
 def run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadline_s: float) -> dict:
+    with kernel_variant(system):  # a variant's kernel default holds for the build (graph capture) and the run
+        return _run_engine(model, system, prompts, cap_gib, ctx, deadline_s)
+
+
+def _run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, deadline_s: float) -> dict:
     from pipeline.actors.engine import LLMEngine, Request, SamplingParams
 
     dev = ctx.device
