@@ -1,8 +1,27 @@
 import os
 
+import pytest
 import torch
 
 # Triton kernels run in the interpreter on machines without a GPU. This must be set before any module
 # defining @triton.jit functions is imported, so it lives here rather than in a test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama on the CPU (vocabulary engine_cases.VOCAB, 2 layers, 4/2 heads of 32) with the "kivi"
+    attention hook and no EOS: the engine tests' model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import kivi  # noqa: F401  (registers the "kivi" attention function)
+    from tests.engine_cases import VOCAB
+
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         eos_token_id=None, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").eval()
+    model.generation_config.eos_token_id = None
+    return model

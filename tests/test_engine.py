@@ -1,8 +1,8 @@
-"""The generation engine on the CPU: continuous batching against transformers' own generate."""
+"""The generation engine: continuous batching against transformers' own generate (CPU), and its GPU paths
+(decode ahead, fused projections). The engine's parts alone are in test_engine_parts.py; shared pieces in
+engine_cases.py."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -10,57 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 import kivi
 from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from pipeline.actors.engine.block_manager import BlockManager
-from pipeline.actors.engine.memory import plan_cache
-from pipeline.actors.engine.request import Sequence
-
-warnings.filterwarnings("ignore", category=FutureWarning)
-VOCAB = 101
-
-
-class StubTokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(65 + i % 26) for i in ids)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         eos_token_id=None, bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_greedy(model, prompt: list[int], n: int, cache) -> tuple[list[int], int]:
-    """Greedy tokens of generate(), and how many of them are decided by a clear margin: past the first
-    near-tie (top-2 logits within 1e-4), rounding differences of batched matmuls may pick either token."""
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True, **{name: cache})
-    clear = 0
-    for logits in out.logits:
-        top2 = logits[0].float().topk(2).values
-        if top2[0] - top2[1] < 1e-4:
-            break
-        clear += 1
-    return out.sequences[0, len(prompt):].tolist(), clear
-
-
-def requests(lengths, new_tokens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [Request(f"r{i}", torch.randint(0, VOCAB, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=m))
-            for i, (n, m) in enumerate(zip(lengths, new_tokens, strict=True))]
-
-
-SMALL_KIVI = kivi.KiviConfig(group_size=16, residual_length=32, page_size=32, backend="reference")
+from tests.engine_cases import SMALL_KIVI, VOCAB, StubTokenizer, gpu_fp32_tokens, hf_greedy, requests
 
 
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
@@ -255,64 +205,6 @@ def test_prefill_that_keeps_failing_at_a_size_is_not_retried_at_it(tiny, monkeyp
     assert engine.stats()["oom_retries"] == 1 and padded[0] == 96 and max(padded[1:]) <= 48
 
 
-def test_memory_plan_splits_budget_into_slots_and_pages():
-    plan = plan_cache(limit_bytes=10_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
-                      pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8)
-    budget = 10_000 - 2_000 - 1_000 - 10_000 // 50  # a 2% margin is kept on a GPU
-    assert plan.budget_bytes == budget
-    assert plan.num_slots == budget // 700 and plan.num_pages == (budget - plan.num_slots * 300) // 100
-    with pytest.raises(ValueError, match="does not fit"):
-        plan_cache(limit_bytes=1_000, used_bytes=900, workspace_bytes=0, page_bytes=100, slot_bytes=50,
-                   pages_per_seq=4, max_batch=8, min_pages=5, max_pages_per_slot=8)
-
-
-def test_block_manager_never_hands_out_a_page_twice():
-    blocks = BlockManager(num_slots=3, num_pages=10, pages_for=lambda n: -(-n // 8))
-    seqs = [Sequence.start(i, Request(str(i), [1] * 10, SamplingParams(max_new_tokens=15)), 15) for i in range(4)]
-    admitted = [s for s in seqs if blocks.can_admit(s) and not blocks.admit(s)]
-    assert len(admitted) == 3  # 3 pages each: 10 pages, 3 slots
-    held = [p for s in admitted for p in s.pages]
-    assert len(held) == len(set(held)) == 9 and not blocks.can_admit(seqs[3])
-    blocks.release(admitted[0])
-    assert blocks.can_admit(seqs[3])
-
-
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(stop="x"), dict(seed=1.5), dict(ignore_eos="yes")])
-def test_sampling_params_reject_bad_values(bad):
-    with pytest.raises(ValueError, match=next(iter(bad))):
-        SamplingParams(**bad)
-    with pytest.raises(ValueError, match="unknown"):
-        SamplingParams.from_dict({"temprature": 1.0})
-
-
-def test_sampler_respects_top_k_top_p_and_greedy_rows():
-    from pipeline.actors.engine.sampler import sample
-
-    gen = torch.Generator().manual_seed(11)
-    logits = torch.randn(6, 50, generator=gen) * 3
-    n = 400
-    rows = logits.repeat(n, 1)  # each of the 6 rows, n times, with different seeds
-    temperature = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.0, 2.0]).repeat(n)
-    top_k = torch.tensor([0, 5, 0, 0, 1, 3]).repeat(n)
-    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 1.0, 1.0]).repeat(n)
-    seeds = torch.arange(6 * n)
-    out = sample(rows, temperature, top_k, top_p, seeds, torch.zeros(6 * n, dtype=torch.long)).view(n, 6)
-    order = logits.argsort(dim=-1, descending=True)
-    probs = logits.softmax(-1).gather(1, order)
-    nucleus = lambda r, p: set(order[r, : int((probs[r].cumsum(0) - probs[r] < p).sum())].tolist())
-    assert set(out[:, 0].tolist()) == {int(logits[0].argmax())}  # greedy row
-    assert set(out[:, 1].tolist()) <= set(order[1, :5].tolist()) and len(set(out[:, 1].tolist())) > 1
-    assert set(out[:, 2].tolist()) <= nucleus(2, 0.5)
-    assert set(out[:, 3].tolist()) <= nucleus(3, 0.9)
-    assert set(out[:, 4].tolist()) == {int(logits[4].argmax())}  # top_k=1 is greedy
-    assert set(out[:, 5].tolist()) <= set(order[5, :3].tolist())
-    # the draws follow the softmax: the top token of row 1 (top-5 renormalised) within 5 standard errors
-    p_top = probs[1, 0] / probs[1, :5].sum()
-    freq = (out[:, 1] == order[1, 0]).float().mean()
-    assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="drives the Triton kernels on a CPU model under the "
                     "interpreter; on a GPU the engine's GPU tests below run them compiled (not counted)")
 def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
@@ -451,18 +343,3 @@ def test_fused_projections_on_a_gpu_keep_the_tokens():
         q_proj = engine.model.model.layers[0].self_attn.q_proj
         assert hasattr(q_proj, "_kivi_fused") == fused  # one product, or three
     assert outs[0] == outs[1]
-
-
-def gpu_fp32_tokens(reqs: list[Request], **engine_config) -> tuple[list[list[int]], LLMEngine]:
-    """Greedy tokens of `reqs` (and the engine) from a fresh fp32 Llama on the GPU (seed 9: the same weights each
-    call; hidden 256, 2 layers, 4/2 heads) with the full-precision cache and EngineConfig(**engine_config): the
-    A/B of an engine setting that may change only fp32 rounding (a 2-bit cache would turn such differences into
-    different codes at group edges)."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    torch.manual_seed(9)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").cuda().eval()
-    model.generation_config.eos_token_id = None
-    engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=None, max_prefill_tokens=1024, memory_limit_gib=4.0,
-                                                           **engine_config))
-    return [c.token_ids for c in engine.generate(reqs)], engine

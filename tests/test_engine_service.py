@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
-from test_engine import SMALL_KIVI, StubTokenizer, hf_greedy, requests, tiny  # noqa: F401  (tiny: a fixture)
 
 import kivi
 from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from pipeline.actors.engine.service import EngineService
+from tests.engine_cases import SMALL_KIVI, StubTokenizer, hf_greedy, requests
 
 
 def start_together(service, lists):

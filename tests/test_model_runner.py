@@ -54,7 +54,7 @@ def test_steps_in_wider_graphs_keep_the_tokens(monkeypatch):
     the same greedy tokens as each bucket at its own width (fp32 model, full-precision cache, as in the
     fused-projections test: only rounding differences between matmul kernels could differ)."""
     from pipeline.actors.engine import model_runner
-    from tests.test_engine import gpu_fp32_tokens, requests
+    from tests.engine_cases import gpu_fp32_tokens, requests
 
     reqs = requests([150, 300, 40, 220, 90], [40, 25, 60, 30, 50], seed=random.randrange(2**31))
     widest = lambda buckets, times: {b: max(times) for b in buckets}

@@ -1,0 +1,69 @@
+"""The engine's parts alone: the memory plan, the block manager, sampling parameters and the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.actors.engine import Request, SamplingParams
+from pipeline.actors.engine.block_manager import BlockManager
+from pipeline.actors.engine.memory import plan_cache
+from pipeline.actors.engine.request import Sequence
+
+
+def test_memory_plan_splits_budget_into_slots_and_pages():
+    plan = plan_cache(limit_bytes=10_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
+                      pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8)
+    budget = 10_000 - 2_000 - 1_000 - 10_000 // 50  # a 2% margin is kept on a GPU
+    assert plan.budget_bytes == budget
+    assert plan.num_slots == budget // 700 and plan.num_pages == (budget - plan.num_slots * 300) // 100
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_cache(limit_bytes=1_000, used_bytes=900, workspace_bytes=0, page_bytes=100, slot_bytes=50,
+                   pages_per_seq=4, max_batch=8, min_pages=5, max_pages_per_slot=8)
+
+
+def test_block_manager_never_hands_out_a_page_twice():
+    blocks = BlockManager(num_slots=3, num_pages=10, pages_for=lambda n: -(-n // 8))
+    seqs = [Sequence.start(i, Request(str(i), [1] * 10, SamplingParams(max_new_tokens=15)), 15) for i in range(4)]
+    admitted = [s for s in seqs if blocks.can_admit(s) and not blocks.admit(s)]
+    assert len(admitted) == 3  # 3 pages each: 10 pages, 3 slots
+    held = [p for s in admitted for p in s.pages]
+    assert len(held) == len(set(held)) == 9 and not blocks.can_admit(seqs[3])
+    blocks.release(admitted[0])
+    assert blocks.can_admit(seqs[3])
+
+
+@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
+                                 dict(stop="x"), dict(seed=1.5), dict(ignore_eos="yes")])
+def test_sampling_params_reject_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams.from_dict({"temprature": 1.0})
+
+
+def test_sampler_respects_top_k_top_p_and_greedy_rows():
+    from pipeline.actors.engine.sampler import sample
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    n = 400
+    rows = logits.repeat(n, 1)  # each of the 6 rows, n times, with different seeds
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.0, 2.0]).repeat(n)
+    top_k = torch.tensor([0, 5, 0, 0, 1, 3]).repeat(n)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 1.0, 1.0]).repeat(n)
+    seeds = torch.arange(6 * n)
+    out = sample(rows, temperature, top_k, top_p, seeds, torch.zeros(6 * n, dtype=torch.long)).view(n, 6)
+    order = logits.argsort(dim=-1, descending=True)
+    probs = logits.softmax(-1).gather(1, order)
+    nucleus = lambda r, p: set(order[r, : int((probs[r].cumsum(0) - probs[r] < p).sum())].tolist())
+    assert set(out[:, 0].tolist()) == {int(logits[0].argmax())}  # greedy row
+    assert set(out[:, 1].tolist()) <= set(order[1, :5].tolist()) and len(set(out[:, 1].tolist())) > 1
+    assert set(out[:, 2].tolist()) <= nucleus(2, 0.5)
+    assert set(out[:, 3].tolist()) <= nucleus(3, 0.9)
+    assert set(out[:, 4].tolist()) == {int(logits[4].argmax())}  # top_k=1 is greedy
+    assert set(out[:, 5].tolist()) <= set(order[5, :3].tolist())
+    # the draws follow the softmax: the top token of row 1 (top-5 renormalised) within 5 standard errors
+    p_top = probs[1, 0] / probs[1, :5].sum()
+    freq = (out[:, 1] == order[1, 0]).float().mean()
+    assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5
