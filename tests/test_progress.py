@@ -8,12 +8,12 @@ import logging
 import pyarrow as pa
 import pytest
 import torch
-from test_pipeline_unit import FakeTokenizer
 
 from pipeline.actors.actor import StreamingGenerateActor
 from pipeline.actors.engine import EngineConfig, LLMEngine
 from pipeline.progress import LiveCounter, Progress
 from tests.engine_cases import SMALL_KIVI, StubTokenizer
+from tests.pipeline_cases import FakeTokenizer
 
 
 def written(tokens: list[int]) -> pa.Table:
