@@ -59,8 +59,8 @@ def main() -> None:
     requests = [Request(f"r{i}", q.ids, SamplingParams(max_new_tokens=q.new_tokens)) for i, q in enumerate(prompts)]
     build_engine(engine, requests)
     mark("built (cache, graphs)")
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(engine.cache)}
-    cache_bytes = sum(storages.values())
+    cache = engine.cache
+    cache_bytes = sum(t.nbytes for layer in cache.layers for t in layer.tensors.values()) + cache.block_table.nbytes
     plan = engine.plan
     out = dict(stages_gib=stages, plan=dict(num_slots=plan.num_slots, num_pages=plan.num_pages,
                                              budget_gib=plan.budget_bytes / GiB,
@@ -79,27 +79,6 @@ class _Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return ""
-
-
-def _tensors(obj, seen=None):
-    """Every tensor reachable from obj's attributes, lists and dicts (each once)."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        return
-    if isinstance(obj, dict):
-        items = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        items = obj
-    elif hasattr(obj, "__dict__"):
-        items = vars(obj).values()
-    else:
-        return
-    for item in items:
-        yield from _tensors(item, seen)
 
 
 if __name__ == "__main__":

@@ -165,10 +165,12 @@ def one_warp_launch(op: str, maxnreg: int, num_splits: int | None, rows: int, ma
     (wave_splits)."""
     check_int(op, "maxnreg", maxnreg, tuple(range(64, 256, 8)) + (255,))
     if num_splits is None:
-        num_splits = choose_num_splits(rows, max_tokens, device, programs_per_sm=per_sm,
-                                       max_splits=ONE_WARP_MAX_SPLITS)
-        if resident is not None and rows < resident * num_sms(device):  # under a wave: whole waves
-            num_splits = wave_splits(rows, max_tokens, resident * num_sms(device), ONE_WARP_MAX_SPLITS)
+        wave = resident * num_sms(device) if resident is not None else 0
+        if rows < wave:  # under a wave: whole waves
+            num_splits = wave_splits(rows, max_tokens, wave, ONE_WARP_MAX_SPLITS)
+        else:
+            num_splits = choose_num_splits(rows, max_tokens, device, programs_per_sm=per_sm,
+                                           max_splits=ONE_WARP_MAX_SPLITS)
     check_int(op, "num_splits", num_splits)
     return num_splits
 
