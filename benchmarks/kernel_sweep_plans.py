@@ -9,11 +9,6 @@ MMA_SHAPES = [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 
               (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
               (1, 131072, 32, 8)]
 
-# value-copy A/B plans: name -> (old copy, new copy, an engine shape beside MMA_SHAPES and B=92, L=1,280). Plans
-# natural (transposed against version 17's "halves"), rows (halves against version 19's "rows") and sectors (rows
-# against version 20) ran before versions 17 and 19 were removed; copies: transposed against sectors
-VALUE_COPY_PLANS = {"copies": ("transposed", "sectors", (141, 1152, 32, 32))}
-
 
 def plan(name: str):
     """[(shape, [variant, ...]), ...]; shape = (B, L, Hq, H), variant = (impl, bits, tuning)."""
@@ -120,10 +115,11 @@ def plan(name: str):
     if name == "stages":  # the mma kernel's cp.async stages: 2 (one block in flight) against 3 (two)
         both = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3))]
         return [(shape, both) for shape in MMA_SHAPES]
-    if name in VALUE_COPY_PLANS:  # the mma kernel's value copies, old against new (kernel_mma_stage.py)
-        old, new, engine_shape = VALUE_COPY_PLANS[name]
-        both = [("new", 2, dict(mma=True, value_copy=old)), ("new", 2, dict(mma=True, value_copy=new))]
-        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), engine_shape]]
+    if name == "copies":  # the mma kernel's value copies (kernel_mma_stage.py): transposed against sectors, on
+        # MMA_SHAPES and b's widths. Plans natural, rows and sectors compared versions 17, 19 and 20's copies
+        # before 17 and 19 were removed
+        both = [("new", 2, dict(mma=True, value_copy=c)) for c in ("transposed", "sectors")]
+        return [(shape, both) for shape in MMA_SHAPES + [(92, 1280, 32, 32), (141, 1152, 32, 32)]]
     if name == "waves":  # the mma kernel's split count: whole waves of 8 resident programs (the default) against
         # 16 programs per SM (the default before), on equal rows and on the engine's widths
         both = [("new", 2, dict(mma=True, per_sm=16)), ("new", 2, dict(mma=True))]
