@@ -155,7 +155,7 @@ def main() -> None:
             for B, H, D in store_cfgs["flush"]:
                 records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, impl=impl))
                 log(summary_line(records[-1]))
-        for tuning in LOOP_TUNINGS:  # the decode store's prepared loop over a head's chunks, beside the default
+        for tuning in LOOP_TUNINGS:  # the decode store with and without its loop over a head's chunks
             for B, H, D in store_cfgs["flush"]:
                 records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning))
                 log(summary_line(records[-1]))

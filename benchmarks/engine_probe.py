@@ -125,11 +125,11 @@ VARIANTS = {
     "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
     "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
     "prefill4k": dict(max_prefill_tokens=4096),
-    "loop-store": dict(),  # the decode store's prepared loop over a head's chunks (KERNEL_VARIANTS)
+    "chunk-store": dict(),  # the decode store with a program per chunk at every head count (KERNEL_VARIANTS)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
-KERNEL_VARIANTS = {"loop-store": ("kernels.kv_store.ops", "STORE_LOOP_CHUNKS", True)}
+KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None)}
 
 
 @contextmanager

@@ -147,4 +147,11 @@ def plan(name: str):
         return [((B, L, 32, H), mma) for B, L, H in [
             (128, 128, 32), (128, 256, 32), (128, 640, 32), (128, 1152, 32), (238, 330, 32), (92, 1280, 32),
             (128, 128, 8), (128, 1152, 8)]]
+    if name == "ringshare":  # the ring in 32-slot chunks over the splits (2 or 3 units a chunk) against the whole
+        # ring in one split (0, version 20); at B=8, 32/8, L=4,096 also fewer splits, which balance better now
+        vs = [("new", 2, dict(mma=True, ring_units=u)) for u in (0, 2, 3)]
+        out = [(shape, vs) for shape in MMA_SHAPES + [(238, 330, 32, 32), (4, 4096, 32, 8), (8, 1152, 32, 8)]]
+        out.append(((8, 4096, 32, 8), [("new", 2, dict(mma=True, ring_units=u, num_splits=s))
+                                       for u in (2, 3) for s in (8, 11, 13)]))
+        return out
     raise SystemExit(f"unknown plan {name}")

@@ -117,6 +117,22 @@ def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_cop
     check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
 
 
+# Rows whose ring splits share out in 32-slot chunks: more splits than units (idle splits), ring-only splits,
+# n_ring not a multiple of 32, and (G=64, L=705: the ring holds 65 tokens at slots [0, 65)) a split whose only
+# chunk is fully masked
+RING_CASES = [MMA_CASES[5],
+              Case((705, 1000, 161, 90), 8, 2, 128, 2, 2, group_size=64, dtype=torch.bfloat16, num_splits=24),
+              Case((4096, 300, 20), 8, 2, 128, 2, 2, dtype=torch.float16, num_splits=16)]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("ring_units", [0, 1, 2, 3])
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: c.id)
+def test_mma_kernel_with_each_ring_share_matches_reference(case: Case, ring_units: int):
+    """Each weight of a ring chunk in the split share-out, 0 (the whole ring in one split) included."""
+    check_against_reference(case, TOL[case.dtype], mma=True, ring_units=ring_units)
+
+
 @pytest.mark.parametrize("mma", [None, True], ids=["default", "mma"])
 def test_wide_groups_with_fp16_scales_stay_finite(mma):
     """A bf16 cache whose groups span up to ~1e5 (past fp16's range: some fp16 scales and zeros saturate at
@@ -175,7 +191,12 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
     ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
     assert calls[-1][2]["V_COPY"] == 0  # 16-byte copies need each token's 8 words in a row
-    assert kw["SCORE_AHEAD"] == ops_mma.MMA_SCORE_AHEAD
+    assert kw["SCORE_AHEAD"] == ops_mma.MMA_SCORE_AHEAD and kw["RING_UNITS"] == ops_mma.MMA_RING_UNITS
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=0)
+    assert calls[-1][2]["RING_UNITS"] == 0
+    for bad in (-1, 9, 2.0):
+        with pytest.raises(ValueError, match="ring_units"):
+            ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=bad)
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, score_ahead=True)
     assert calls[-1][2]["SCORE_AHEAD"] is True and calls[-1][2]["STAGES"] == 3  # scores ahead take 3 stages
     with pytest.raises(ValueError, match="score_ahead needs num_stages=3"):

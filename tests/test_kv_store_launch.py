@@ -46,6 +46,34 @@ def test_triton_tuning_matches_reference(request, tuning):
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("heads", [1, 8, 16, 32])
+def test_decode_store_loops_over_chunks_from_the_head_threshold(monkeypatch, heads):
+    """The default decode store: one program per head's keys or values (grid z = 2) from STORE_LOOP_MIN_HEADS KV
+    heads up, one per chunk below it; None turns the loop off; an explicit loop_chunks wins."""
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kw: grids.append((grid, kw["LOOP_CHUNKS"]))
+
+    monkeypatch.setattr(ops, "store_decode_kernel", Recorder())
+    cfg, dtype = cfg_of(2, 4), torch.float16
+    pools = make_pools(8, 3, heads, 64, cfg, dtype)
+    key = torch.zeros(1, heads, 64, dtype=dtype, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    table = torch.zeros(3, 4, dtype=torch.int32, device=DEVICE)
+    store = lambda **kw: ops.store_decode(key, key, one, one, table, *(pools[n] for n in POOLS), **cfg, **kw)
+    store()
+    looped = heads >= ops.STORE_LOOP_MIN_HEADS
+    chunks = ops._launch_config(key, cfg["group_size"], None, None)["NC"]
+    assert grids[-1] == ((1, heads, 2 if looped else 2 * chunks), looped)
+    store(loop_chunks=not looped)
+    assert grids[-1][1] is (not looped)
+    monkeypatch.setattr(ops, "STORE_LOOP_MIN_HEADS", None)
+    store()
+    assert grids[-1] == ((1, heads, 2 * chunks), False)
+
+
 def test_bad_tuning_is_a_clear_error():
     cfg, dtype = cfg_of(2, 4), torch.float16
     pools = make_pools(8, 3, 2, 64, cfg, dtype)

@@ -15,9 +15,11 @@ from ..packing import expected_scale_dtype
 from .kernel import store_decode_kernel, store_prefill_kernel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# store_decode: one program per head's keys or values, its flush a loop over channel chunks (prepared, not
-# measured: kernel_notes.md, store kernels, 12)
-STORE_LOOP_CHUNKS = False
+# store_decode with one program per head's keys or values, its flush a loop over channel chunks, from this many KV
+# heads up (None: never). At 32 heads it made the engine's append 16-23% faster (141 rows: 15.2 -> 12.8 us a layer;
+# 238: 22.6 -> 17.4) and a flush of every row 3-8% slower; at 8 heads the append lost up to 30% (64 rows: 4.7 ->
+# 6.2 us): kernel_notes.md, store kernels, 12; kernels-20261130-h200-stores-loop.json
+STORE_LOOP_MIN_HEADS: int | None = 16
 
 
 def _check_tensor(name: str, t, shape, dtype, device) -> None:
@@ -164,8 +166,8 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
     seq_lens, slots: int32 [B] (seq_lens 0 = inactive row, skipped). Other tensors as in store_prefill.
     When L >= R and (L - R) % G == 0 the oldest group (slots (L - R) % R ..) is quantized into page
     block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R. Tuning as in store_prefill,
-    and loop_chunks (default STORE_LOOP_CHUNKS): one program for the keys or the values of a whole head, its
-    flush going over the chunks of block_c channels in turn (kernel.py, _append_head).
+    and loop_chunks (default: from STORE_LOOP_MIN_HEADS KV heads up): one program for the keys or the values of
+    a whole head, its flush going over the chunks of block_c channels in turn (kernel.py, _append_head).
     """
     check_store_args(key, value, (("seq_lens", seq_lens),), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
@@ -177,7 +179,9 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
     if B == 0:
         return
     cfg = _launch_config(key, group_size, block_c, num_warps)
-    loop_chunks = STORE_LOOP_CHUNKS if loop_chunks is None else bool(loop_chunks)
+    if loop_chunks is None:
+        loop_chunks = STORE_LOOP_MIN_HEADS is not None and H >= STORE_LOOP_MIN_HEADS
+    loop_chunks = bool(loop_chunks)
     store_decode_kernel[(B, H, 2 if loop_chunks else 2 * cfg["NC"])](
         key_ptr=key, value_ptr=value, seq_lens_ptr=seq_lens, slots_ptr=slots, block_table_ptr=block_table,
         k_codes_ptr=k_codes, k_scale_ptr=k_scale, k_zero_ptr=k_zero,

@@ -1,0 +1,96 @@
+"""Where a split decode-attention call's time goes (GPU): the tensor-core kernel, the split merge, and the gaps
+between them, per shape, from the CUDA profiler's kernel records over rotating input sets (so reads come from
+DRAM), beside the call's CUDA-graph time as bench_kernels measures it.
+
+    python3 benchmarks/split_probe.py [--shapes 8,4096,32,8 1,131072,32,8] [--out probe.json]
+
+Prints one line per shape and one JSON object last: per shape `graph_us` (gpu_timing.time_graph, launch gaps
+included), `kernels` ({kernel name: mean us per call}), `num_splits` and `bytes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+D = 128
+DEFAULT_SHAPES = ["8,4096,32,8", "4,4096,32,8", "8,4096,32,32", "8,32768,32,8", "1,131072,32,8", "1,131072,32,32",
+                  "64,4096,32,8"]
+
+
+def kernel_means(calls, repeats: int = 40) -> dict:
+    """{kernel name: mean device us per call} over repeats passes of calls (one call each, cycled sets)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(repeats):
+            calls[i % len(calls)]()
+        torch.cuda.synchronize()
+    totals = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.time_range.elapsed_us()
+    return {name.split("(")[0][:60]: round(us / repeats, 2) for name, us in totals.items()}
+
+
+def probe(B: int, L: int, Hq: int, H: int, l2: int) -> dict:
+    from gpu_timing import sets_for, time_graph
+    from kivi_data import kivi_args, kivi_bytes, make_kivi_sets, table_width
+
+    from kernels.decode_attention import common as C
+    from kernels.decode_attention import decode_attention
+    from kernels.decode_attention.ops_mma import MMA_MAXNREG, MMA_PER_SM, mma_resident
+
+    nbytes = kivi_bytes(B, L, Hq, H, D, 2, 2)
+    n_sets = sets_for(nbytes, l2)
+    data = make_kivi_sets(B, L, Hq, H, D, 2, 2, torch.bfloat16, torch.device("cuda"), n_sets, seed=5)
+    max_tokens = table_width(data["pages"]) * 128 + 128
+    splits = C.one_warp_launch("probe", MMA_MAXNREG, None, B * H, max_tokens, torch.device("cuda"), MMA_PER_SM,
+                               resident=mma_resident(MMA_MAXNREG))
+    ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128,
+                mma=True, num_splits=splits)
+    outs = [torch.empty_like(s["q"]) for s in data["sets"]]
+    calls = [(lambda i=i, data=data: decode_attention(data["sets"][i]["q"], *kivi_args(data, i), out=outs[i], **ints))
+             for i in range(n_sets)]
+    graph = time_graph(calls)
+    rec = dict(batch=B, context=L, q_heads=Hq, kv_heads=H, num_splits=splits, bytes=nbytes,
+               graph_us=round(graph["ms"] * 1e3, 2), kernels=kernel_means(calls))
+    del data
+    torch.cuda.empty_cache()
+    return rec
+
+
+def main() -> None:
+    from gpu_timing import l2_bytes
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="B,L,q_heads,kv_heads")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("split_probe needs a CUDA GPU")
+    l2 = l2_bytes()
+    records = []
+    for shape in args.shapes:
+        B, L, Hq, H = (int(x) for x in shape.split(","))
+        rec = probe(B, L, Hq, H, l2)
+        records.append(rec)
+        print(f"B={B} L={L} {Hq}/{H} splits={rec['num_splits']} graph {rec['graph_us']} us  {rec['kernels']}",
+              flush=True)
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, records=records)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
