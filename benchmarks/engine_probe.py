@@ -126,10 +126,13 @@ VARIANTS = {
     "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
     "prefill4k": dict(max_prefill_tokens=4096),
     "chunk-store": dict(),  # the decode store with a program per chunk at every head count (KERNEL_VARIANTS)
+    "whole-mlp": dict(mlp_chunk_tokens=None),  # a prefill's MLPs on all its tokens at once (a larger workspace)
+    "page-slack": dict(),  # the plan charges half a page more a sequence, as before (KERNEL_VARIANTS)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
-KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None)}
+KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None),
+                   "page-slack": ("pipeline.actors.engine.memory", "PAGE_SLACK", 0.5)}
 
 
 @contextmanager

@@ -8,7 +8,10 @@ config.model_type; other types raise. The rotary patch is a module global: while
 applies to other models of the same type in this process. Calls the kernels do not take (another dtype for
 cos/sin, unsqueeze_dim != 1, a head_dim that is not a power of two) fall through to transformers' function.
 With projections=True (the engine's default, EngineConfig.fused_projections) the q/k/v products of each
-attention and the gate/up products of each MLP also run as one matmul each (fuse_projections).
+attention and the gate/up products of each MLP also run as one matmul each (fuse_projections). With
+mlp_chunk_tokens=n (the engine's EngineConfig.mlp_chunk_tokens) an MLP called on more than n tokens runs on
+n at a time (chunk_mlps): a prefill forward's peak activations, which the engine sets aside from its cache
+budget, then hold one chunk's gate/up products instead of the whole forward's.
 """
 
 from __future__ import annotations
@@ -105,12 +108,37 @@ def fuse_projections(model: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module
     return patches, stashes
 
 
+def chunk_mlps(model: torch.nn.Module, chunk_tokens: int) -> list[tuple[torch.nn.Module, Callable]]:
+    """Forwards under which every MLP module (gate_proj, up_proj and down_proj) runs its input in chunks of at
+    most chunk_tokens tokens, the outputs written into one tensor; calls on fewer tokens (decode) run as they are.
+    An MLP acts on each token alone, so only the matmuls' shapes change (their rounding may, by an ulp)."""
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"mlp_chunk_tokens must be a positive int, got {chunk_tokens!r}")
+
+    def chunked(original):
+        def forward(x):
+            rows = x.numel() // max(x.shape[-1], 1)
+            if rows <= chunk_tokens:
+                return original(x)
+            flat = x.reshape(rows, x.shape[-1])  # [T, hidden]
+            parts = [original(flat[start:start + chunk_tokens]) for start in range(0, rows, chunk_tokens)]
+            return torch.cat(parts).view(*x.shape[:-1], parts[0].shape[-1])
+
+        return forward
+
+    names = ("gate_proj", "up_proj", "down_proj")
+    return [(module, chunked(module.forward)) for module in model.modules()
+            if all(isinstance(getattr(module, n, None), torch.nn.Module) for n in names)]
+
+
 class FusedLayers:
     """Context manager: RMSNorm and rotary kernels of `ops` in `model`'s forward while it is open; with
     projections=True also one matmul for q/k/v and one for gate/up (fuse_projections: the weights become
-    views of fused tensors at construction, for good)."""
+    views of fused tensors at construction, for good); with mlp_chunk_tokens, MLPs in chunks of that many
+    tokens (chunk_mlps)."""
 
-    def __init__(self, model: torch.nn.Module, ops: KernelOps, projections: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, ops: KernelOps, projections: bool = False,
+                 mlp_chunk_tokens: int | None = None) -> None:
         model_type = getattr(model.config, "model_type", None)
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers do not support model_type {model_type!r} "
@@ -126,6 +154,8 @@ class FusedLayers:
         if projections:
             patches, self.stashes = fuse_projections(model)
             self.patches += patches
+        if mlp_chunk_tokens is not None:
+            self.patches += chunk_mlps(model, mlp_chunk_tokens)
 
     def _norm_forward(self, module: torch.nn.Module):
         rms_norm, eps = self.ops.rms_norm, float(module.variance_epsilon)

@@ -7,7 +7,8 @@ import torch
 
 from pipeline.actors.engine import Request, SamplingParams
 from pipeline.actors.engine.block_manager import BlockManager
-from pipeline.actors.engine.memory import plan_cache
+from pipeline.actors.engine.config import EngineConfig
+from pipeline.actors.engine.memory import mean_pages, plan_cache
 from pipeline.actors.engine.request import Sequence
 
 
@@ -20,6 +21,31 @@ def test_memory_plan_splits_budget_into_slots_and_pages():
     with pytest.raises(ValueError, match="does not fit"):
         plan_cache(limit_bytes=1_000, used_bytes=900, workspace_bytes=0, page_bytes=100, slot_bytes=50,
                    pages_per_seq=4, max_batch=8, min_pages=5, max_pages_per_slot=8)
+
+
+def test_mean_pages_counts_each_sequence_in_whole_pages(monkeypatch):
+    """The slot plan's pages per sequence: each length rounded up on its own (equal lengths: exactly their pages;
+    mixed: more than the mean length's pages), with PAGE_SLACK on top."""
+    from pipeline.actors.engine import memory
+
+    page = int(torch.randint(8, 40, ()))
+    pages_for = lambda n: -(-n // page)
+    full = int(torch.randint(2, 9, ()))
+    assert mean_pages([full * page] * 5, pages_for) == full  # no half page for rounding that never happens
+    lens = [page + 1, 2 * page + 1]  # 2 and 3 pages, mean length 1.5 pages + 1 token: 2 pages
+    assert mean_pages(lens, pages_for) == 2.5 > pages_for(sum(lens) // 2)
+    monkeypatch.setattr(memory, "PAGE_SLACK", 0.5)
+    assert mean_pages([full * page], pages_for) == full + 0.5
+    with pytest.raises(ValueError, match="at least one"):
+        mean_pages([], pages_for)
+
+
+@pytest.mark.parametrize("bad", [dict(mlp_chunk_tokens=0), dict(mlp_chunk_tokens=1.5), dict(max_prefill_tokens=0),
+                                 dict(gpu_memory_utilization=1.5), dict(memory_limit_gib=-1)])
+def test_engine_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineConfig(**bad)
+    assert EngineConfig(mlp_chunk_tokens=None).mlp_chunk_tokens is None
 
 
 def test_block_manager_never_hands_out_a_page_twice():

@@ -239,3 +239,52 @@ def test_fused_layers_enter_is_all_or_nothing(monkeypatch):
             pass
     assert fused.depth == 0 and all("forward" not in vars(m) for m in fused.norms)
     assert fused.modeling.apply_rotary_pos_emb is fused.original_rotary
+
+
+@pytest.mark.parametrize("projections", [False, True])
+def test_mlp_chunks_keep_the_output_and_bound_each_call(projections, monkeypatch):
+    """chunk_mlps: a forward over more tokens than the chunk runs each MLP on at most that many tokens at a time
+    and gives the unchunked logits; a call within the chunk runs whole; on exit the MLPs run whole again."""
+    import kernels
+    from kivi.fused import FusedLayers
+
+    model = _tiny("llama", torch.float32)
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(int(torch.randint(99, ())))).to(DEVICE)
+    mlp = model.model.layers[1].mlp
+    rows, down = [], mlp.down_proj.forward
+    monkeypatch.setattr(mlp.down_proj, "forward", lambda x: rows.append(x.numel() // x.shape[-1]) or down(x))
+    with torch.no_grad():
+        before = model(ids).logits
+        fused = FusedLayers(model, kernels.get_ops("reference"), projections=projections, mlp_chunk_tokens=5)
+        rows.clear()
+        with fused:
+            inside = model(ids).logits
+            model(ids[:1, :4])
+        assert "forward" not in vars(mlp)
+        after = model(ids).logits
+    assert rows == [5, 5, 5, 5, 2, 4, 22]  # 22 tokens in chunks of 5, then 4 whole; unpatched: 22 at once
+    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="mlp_chunk_tokens"):
+            FusedLayers(model, kernels.get_ops("reference"), mlp_chunk_tokens=bad)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="measure_workspace counts CUDA allocations")
+def test_mlp_chunks_shrink_the_measured_workspace():
+    """The engine's workspace measurement (a prefill forward's peak) under MLP chunks: wide MLPs' gate/up products
+    dominate it, so chunks of 256 of 4,096 tokens must take most of it away."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import kernels
+    from kivi.fused import FusedLayers
+    from pipeline.actors.engine.memory import measure_workspace
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=8192, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                                  max_position_embeddings=8192, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(DEVICE).eval()
+    whole = measure_workspace(model, 4096, 300, 1)
+    with FusedLayers(model, kernels.get_ops("triton"), mlp_chunk_tokens=256):
+        chunked = measure_workspace(model, 4096, 300, 1)
+    assert chunked < 0.4 * whole, (chunked, whole)

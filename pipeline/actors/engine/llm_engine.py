@@ -22,7 +22,7 @@ from kivi.storage import FullStorage, QuantizedStorage
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.kv_cache import EngineCache
-from pipeline.actors.engine.memory import measure_workspace, peak_memory_mb, plan_cache
+from pipeline.actors.engine.memory import mean_pages, measure_workspace, peak_memory_mb, plan_cache
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
@@ -74,11 +74,11 @@ class LLMEngine:
             used = torch.cuda.memory_allocated(self.device)
         else:
             limit, workspace, used = cfg.cpu_cache_gib * 2**30, 0, 0
-        mean_len = sum(s.total_len for s in seqs) / len(seqs)
         plan = plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
                           page_bytes=storage.page_bytes(kv_heads, head_dim, self.dtype) * layers,
                           slot_bytes=storage.slot_bytes(kv_heads, head_dim, self.dtype) * layers,
-                          pages_per_seq=storage.pages_for(int(mean_len)) + 0.5, max_batch=cfg.max_batch_size,
+                          pages_per_seq=mean_pages([s.total_len for s in seqs], storage.pages_for),
+                          max_batch=cfg.max_batch_size,
                           min_pages=storage.pages_for(self.max_model_len),
                           max_pages_per_slot=max(1, storage.pages_for(self.max_model_len)))
         self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
@@ -104,7 +104,8 @@ class LLMEngine:
         if model_type not in FUSED_MODEL_TYPES:
             log.info("no fused RMSNorm/rotary kernels for model_type %r: transformers' ops run", model_type)
             return None
-        return FusedLayers(self.model, kernels.get_ops("triton"), projections=self.config.fused_projections)
+        return FusedLayers(self.model, kernels.get_ops("triton"), projections=self.config.fused_projections,
+                           mlp_chunk_tokens=self.config.mlp_chunk_tokens)
 
     # -- requests --------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
