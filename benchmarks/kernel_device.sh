@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/kernel_device.sh            # results under $OUT (or /tmp/kernel-device)
 #
-# 1. The decode-attention GPU tests (the tensor-core kernel with each value copy, stages, scores ahead, the
+# 1. The decode-attention GPU tests (the tensor-core kernel with each value copy, stages, ring share, the
 #    launcher's defaults), at most 150 s; log in $OUT/gpu-tests.log.
 # 2. ncu of the tensor-core kernel alone at B=64, L=4,096, 32/32 and 32/8 heads (its value copy from
 #    $NCU_VALUE_COPY when set): details pages and a summary of the per-instruction counters (ncu_summary.py;
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py tests/test_decode_attention_gluon.py \
-    -k "mma or wide_groups or launcher or wave" > "$OUT/gpu-tests.log" 2>&1
+    -k "mma or ring or wide_groups or launcher or wave" > "$OUT/gpu-tests.log" 2>&1
 echo "GPU tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 
 for shape in "64,4096,32" "64,4096,8"; do

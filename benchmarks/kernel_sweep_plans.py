@@ -138,10 +138,6 @@ def plan(name: str):
         return [((B, L, Hq, H), [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_splits=old))])
                 for B, L, Hq, H, old in [(1, 131072, 32, 32, 66), (1, 32768, 32, 32, 66), (1, 131072, 32, 8, 128),
                                          (8, 32768, 32, 8, 33), (4, 4096, 32, 32, 16)]]
-    if name == "ahead":  # version 18: the next block's scores beside this block's values (3 stages) against 2 and 3
-        vs = [("new", 2, dict(mma=True)), ("new", 2, dict(mma=True, num_stages=3)),
-              ("new", 2, dict(mma=True, score_ahead=True))]
-        return [(shape, vs) for shape in MMA_SHAPES + [(92, 1280, 32, 32)]]
     if name == "ring":  # ring-heavy engine shapes (the full-precision residual is 40-100% of the bytes)
         mma = [("new", 2, dict(mma=True))]
         return [((B, L, 32, H), mma) for B, L, H in [

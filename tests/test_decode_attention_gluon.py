@@ -101,14 +101,6 @@ def test_mma_kernel_with_three_stages_matches_reference(case: Case):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
-@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
-def test_mma_kernel_with_scores_ahead_matches_reference(case: Case):
-    """score_ahead: each step scores the next block beside this block's values (3 stages; the last step scores a
-    block past its split, whose result must stay unused)."""
-    check_against_reference(case, TOL[case.dtype], mma=True, score_ahead=True)
-
-
-@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
 @pytest.mark.parametrize("value_copy", ["transposed", "sectors"])
 @pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 5)], ids=lambda c: c.id)
 def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_copy: str):
@@ -191,16 +183,12 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
     ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
     assert calls[-1][2]["V_COPY"] == 0  # 16-byte copies need each token's 8 words in a row
-    assert kw["SCORE_AHEAD"] == ops_mma.MMA_SCORE_AHEAD and kw["RING_UNITS"] == ops_mma.MMA_RING_UNITS
+    assert kw["RING_UNITS"] == ops_mma.MMA_RING_UNITS
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=0)
     assert calls[-1][2]["RING_UNITS"] == 0
     for bad in (-1, 9, 2.0):
         with pytest.raises(ValueError, match="ring_units"):
             ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=bad)
-    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, score_ahead=True)
-    assert calls[-1][2]["SCORE_AHEAD"] is True and calls[-1][2]["STAGES"] == 3  # scores ahead take 3 stages
-    with pytest.raises(ValueError, match="score_ahead needs num_stages=3"):
-        ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=2, score_ahead=True)
     with pytest.raises(ValueError, match="num_stages"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=4)
     assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace

@@ -83,8 +83,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, SCORE_AHEAD: gl.constexpr = False,
-    RING_UNITS: gl.constexpr = 2,
+    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
@@ -112,8 +111,7 @@ def _decode_attention_mma_kernel(
     acc2 = acc0
     acc3 = acc0
     z = gl.zeros([16, 8], gl.float32, _MMA)
-    # stage 2: packed blocks through the block table (kernel_mma_loop.py: STAGES cp.async stages, the scores of
-    # block blk + 1 beside block blk's values with SCORE_AHEAD)
+    # stage 2: packed blocks through the block table (kernel_mma_loop.py: STAGES cp.async stages)
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     if lo < n_end:
@@ -121,7 +119,7 @@ def _decode_attention_mma_kernel(
             q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h,
             (kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr),
             (stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h),
-            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY, SCORE_AHEAD)
+            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
     r1 = r0

@@ -2,14 +2,9 @@
 table, arriving by cp.async stages (kernel_mma_stage.py), with the operands of kernel_mma_frag.py. Only
 @gluon.jit code.
 
-Each block: its masked scores (_key_scores), one online-softmax step, then the values' products (_value_step).
-Two schedules (SCORE_AHEAD):
-- in turn (versions 14-17): block blk's scores, softmax and values, blocks blk + 1 .. blk + STAGES - 1 in flight;
-- scores ahead (version 18, 3 stages): the step of block blk computes block blk + 1's raw scores beside block
-  blk's softmax and values. Raw scores do not depend on the running max, so the two chains are independent
-  and the scheduler can interleave them: one warp runs two dependency chains instead of one (the kernel is
-  latency-bound at 8 warps per SM). Blocks blk and blk + 1 are read while blk + 2 is in flight. The last step
-  scores one block past its range (a valid page, the result unused).
+Each block: its masked scores (_key_scores), one online-softmax step, then the values' products (_value_step),
+blocks blk + 1 .. blk + STAGES - 1 in flight meanwhile. (Version 18 computed block blk + 1's scores beside block
+blk's values, two dependency chains in one warp; it was 1-13% slower and was removed: kernel_notes.md.)
 """
 
 from triton.experimental import gluon
@@ -127,36 +122,25 @@ def _issue(stages, stage, blk, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w:
 def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
                  stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
                  stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                 V_COPY: gl.constexpr, SCORE_AHEAD: gl.constexpr):
+                 V_COPY: gl.constexpr):
     """Packed blocks lo .. n_end - 1 (n_end > lo) of KV head h: (m_i, l_i, acc0, acc1, acc2, acc3, z) after them.
     ptrs: (kc, ks, kz, vc, vs, vz) pointers; strides: their runtime page and head strides."""
     gl.static_assert(STAGES == 2 or STAGES == 3)
-    gl.static_assert(STAGES == 3 or not SCORE_AHEAD)  # scores ahead read two stages while a third fills
     NG: gl.constexpr = 128 // GROUP
     stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_COPY)
     kw, ks, kz, vw, vs, vz = stages
     for pre in gl.static_range(STAGES - 1):
         _issue(stages, pre, lo + pre, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w, stride_ks_g, stride_vc_t,
                stride_vs_t, GROUP, PAGE, V_COPY)
-    if SCORE_AHEAD:
-        cp.wait_group(1)  # block lo has landed
-        s = _key_scores(q8, q_a, kw.index(0), ks.index(0), kz.index(0), nq - lo * 64, qk_scale)
     for blk in range(lo, n_end):
         st = (blk - lo) % STAGES
         # into the stage block blk - 1 was read from (its reads ended with that step's products)
         _issue(stages, (blk - lo + STAGES - 1) % STAGES, blk + STAGES - 1, ptrs, strides, n_end, nq, bt_row, h,
                stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY)
-        if SCORE_AHEAD:
-            cp.wait_group(1)  # block blk + 1 has landed (all but the newest group)
-            s1 = (st + 1) % STAGES
-            s_next = _key_scores(q8, q_a, kw.index(s1), ks.index(s1), kz.index(s1), nq - (blk + 1) * 64, qk_scale)
-        else:
-            cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
-            s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
+        cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
+        s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
                                                 acc3, z, NG, V_COPY)
-        if SCORE_AHEAD:
-            s = s_next
     cp.wait_group(0)
     return m_i, l_i, acc0, acc1, acc2, acc3, z

@@ -112,7 +112,6 @@ def decode_attention(
     magic: bool | None = None,
     mma: bool | None = None,
     value_copy: str | None = None,
-    score_ahead: bool | None = None,
     ring_units: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
@@ -134,8 +133,7 @@ def decode_attention(
     on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; the default where
     eligible and large enough, ahead of fma; of the other knobs only num_splits, maxnreg, num_stages (its
     cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed" or "sectors",
-    kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and score_ahead (the next block's scores beside this
-    block's values, kernel_mma_loop.py; default ops_mma.MMA_SCORE_AHEAD) and ring_units (the weight of 32 ring
+    kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and ring_units (the weight of 32 ring
     slots in the split count's work units, the ring then spread over splits; 0 gives the whole ring to one split;
     default ops_mma.MMA_RING_UNITS) apply).
     """
@@ -168,7 +166,7 @@ def decode_attention(
                              f"device={q.device}")
         return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          maxnreg, num_stages, value_copy, score_ahead, ring_units)
+                          maxnreg, num_stages, value_copy, ring_units)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in table_knobs)

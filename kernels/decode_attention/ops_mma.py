@@ -34,8 +34,6 @@ MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, w
 # 0.96-1.00x of 19's time on 20 of 21 rows over 16 shapes (kernels-20261130-h200-sweep-sectors*.json)
 VALUE_COPIES = {"transposed": 0, "sectors": 1}
 MMA_VALUE_COPY = "sectors"
-# block blk + 1's scores beside block blk's values (version 18, 3 stages): 1-13% slower (-sweep-ahead.json)
-MMA_SCORE_AHEAD = False
 # work units of a 32-slot chunk of the full-precision ring when splits share out a row (a packed 64-token block
 # is one): 16 KiB of bf16 against a block's 6 KiB of codes, scales and zeros. The chunks go to whichever split
 # holds their first unit; 0 gives the whole ring to one split (version 20 and before), which at B=8, L=4,096,
@@ -81,21 +79,17 @@ def mma_resident(maxnreg: int) -> int | None:
 
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-               maxnreg=None, stages=None, value_copy=None, score_ahead=None, ring_units=None) -> torch.Tensor:
+               maxnreg=None, stages=None, value_copy=None, ring_units=None) -> torch.Tensor:
     """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12). value_copy: how value words reach shared memory, one of VALUE_COPIES
-    (MMA_VALUE_COPY by default; "transposed" where a token's 8 words are not contiguous). score_ahead: each step
-    also computes the next block's scores (kernel_mma_loop.py; needs 3 stages, which it sets when stages is
-    None); MMA_SCORE_AHEAD by default. ring_units: the work units of a 32-slot ring chunk in the split
-    count's share-out (MMA_RING_UNITS by default; 0: the whole ring to one split)."""
+    (MMA_VALUE_COPY by default; "transposed" where a token's 8 words are not contiguous). ring_units: the work
+    units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default; 0: the whole ring
+    to one split)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
-    score_ahead = MMA_SCORE_AHEAD if score_ahead is None else bool(score_ahead)
-    stages = (3 if score_ahead else MMA_STAGES) if stages is None else stages
-    if score_ahead and stages != 3:
-        raise ValueError(f"{_OP}: score_ahead needs num_stages=3, got {stages}")
+    stages = MMA_STAGES if stages is None else stages
     check_value_copy(value_copy)
     value_copy = MMA_VALUE_COPY if value_copy is None else value_copy
     if v_codes.stride(2) != 8:  # the 16-byte copies need a block's words in a row
@@ -110,6 +104,6 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
         QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
-        V_COPY=VALUE_COPIES[value_copy], SCORE_AHEAD=score_ahead, RING_UNITS=ring_units,
+        V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units,
         num_warps=1, maxnreg=maxnreg,
     )
