@@ -8,7 +8,7 @@ import torch
 from pipeline.actors.engine import Request, SamplingParams
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
-from pipeline.actors.engine.memory import mean_pages, plan_cache
+from pipeline.actors.engine.memory import mean_pages, plan_cache, plan_for
 from pipeline.actors.engine.request import Sequence
 
 
@@ -38,6 +38,27 @@ def test_mean_pages_counts_each_sequence_in_whole_pages(monkeypatch):
     assert mean_pages([full * page], pages_for) == full + 0.5
     with pytest.raises(ValueError, match="at least one"):
         mean_pages([], pages_for)
+
+
+def test_engine_plan_gives_equal_lengths_exactly_their_slots(tiny):
+    """plan_for on the CPU (the whole cpu_cache_gib for the cache), KIVI ring slots and pages alike: requests of
+    one length get budget // (slot + their pages) slots, and every slot can hold a whole request."""
+    import kernels
+    from kivi import KiviConfig
+    from kivi.models import kv_shape
+    from kivi.storage import QuantizedStorage
+
+    kivi = KiviConfig(residual_length=32, group_size=32, page_size=32)
+    storage = QuantizedStorage(kivi, kernels.get_ops("reference"))
+    config = EngineConfig(cpu_cache_gib=float(torch.randint(2, 9, ())) / 2**10, max_batch_size=10_000)
+    length = int(torch.randint(33, 400, ()))
+    plan = plan_for(tiny, storage, config, [length] * 7, max_model_len=512)
+    layers, heads, dim = kv_shape(tiny.config)
+    dtype = next(tiny.parameters()).dtype
+    pages = storage.pages_for(length)
+    per_seq = (storage.slot_bytes(heads, dim, dtype) + pages * storage.page_bytes(heads, dim, dtype)) * layers
+    assert plan.num_slots == int(config.cpu_cache_gib * 2**30) // per_seq > 1
+    assert plan.num_pages >= plan.num_slots * pages
 
 
 @pytest.mark.parametrize("bad", [dict(mlp_chunk_tokens=0), dict(mlp_chunk_tokens=1.5), dict(max_prefill_tokens=0),

@@ -10,19 +10,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
 import kernels
 from kivi.cache import resolve_backend
 from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
-from kivi.models import kv_shape
 from kivi.storage import FullStorage, QuantizedStorage
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.kv_cache import EngineCache
-from pipeline.actors.engine.memory import mean_pages, measure_workspace, peak_memory_mb, plan_cache
+from pipeline.actors.engine.memory import peak_memory_mb, plan_for
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
@@ -64,23 +62,7 @@ class LLMEngine:
         storage = self._storage()
         cfg = self.config
         fused = self._fused_layers()
-        layers, kv_heads, head_dim = kv_shape(self.model.config)
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            limit = cfg.memory_limit_gib * 2**30 if cfg.memory_limit_gib else cfg.gpu_memory_utilization * total
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            with fused or nullcontext():  # the forwards will run fused: measure them so
-                workspace = measure_workspace(self.model, cfg.max_prefill_tokens, vocab, cfg.max_batch_size)
-            used = torch.cuda.memory_allocated(self.device)
-        else:
-            limit, workspace, used = cfg.cpu_cache_gib * 2**30, 0, 0
-        plan = plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
-                          page_bytes=storage.page_bytes(kv_heads, head_dim, self.dtype) * layers,
-                          slot_bytes=storage.slot_bytes(kv_heads, head_dim, self.dtype) * layers,
-                          pages_per_seq=mean_pages([s.total_len for s in seqs], storage.pages_for),
-                          max_batch=cfg.max_batch_size,
-                          min_pages=storage.pages_for(self.max_model_len),
-                          max_pages_per_slot=max(1, storage.pages_for(self.max_model_len)))
+        plan = plan_for(self.model, storage, cfg, [s.total_len for s in seqs], self.max_model_len, fused)
         self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                                  max_pages_per_seq=max(1, storage.pages_for(self.max_model_len)),
                                  dtype=self.dtype, device=self.device)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from kivi.models import kv_shape
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,30 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
             f"{workspace_bytes / 2**30:.2f} GiB); one sequence needs {min_pages} pages of {page_bytes} bytes"
         )
     return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes)
+
+
+def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None) -> CachePlan:
+    """The cache plan of an engine (EngineConfig `config`, its cache `storage`) for sequences of these total
+    lengths. On a GPU the limit is memory_limit_gib, or gpu_memory_utilization of the device, less the weights
+    allocated now and the measured workspace of a prefill forward (run under `fused`, as the engine's forwards
+    will be); on a CPU it is cpu_cache_gib, all of it for the cache."""
+    param = next(model.parameters())
+    layers, kv_heads, head_dim = kv_shape(model.config)
+    if param.device.type == "cuda":
+        total = torch.cuda.get_device_properties(param.device).total_memory
+        limit = config.memory_limit_gib * 2**30 if config.memory_limit_gib else config.gpu_memory_utilization * total
+        vocab = model.get_output_embeddings().weight.shape[0]
+        with fused or nullcontext():
+            workspace = measure_workspace(model, config.max_prefill_tokens, vocab, config.max_batch_size)
+        used = torch.cuda.memory_allocated(param.device)
+    else:
+        limit, workspace, used = config.cpu_cache_gib * 2**30, 0, 0
+    most_pages = max(1, storage.pages_for(max_model_len))
+    return plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
+                      page_bytes=storage.page_bytes(kv_heads, head_dim, param.dtype) * layers,
+                      slot_bytes=storage.slot_bytes(kv_heads, head_dim, param.dtype) * layers,
+                      pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
+                      min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages)
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
