@@ -75,9 +75,17 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 from common import copy_bandwidth, env_header, log, matmul_rate, write_json  # noqa: E402
 from engine_probe import VARIANTS, split_system  # noqa: E402
-from engine_report import TABLE_HEAD, compact, speedups, table_row  # noqa: E402
+from engine_report import TABLE_HEAD, compact, finish_record, speedups, table_row  # noqa: E402
 from engine_setup import (  # noqa: E402
     MODELS,
+    NUM_PROMPTS,
+    QUICK_NUM_PROMPTS,
+    SMOKE_KIVI,
+    SMOKE_MODELS,
+    SMOKE_SYSTEMS,
+    SMOKE_WORKLOADS,
+    SYSTEMS,
+    WORKLOADS,
     allocated_gib,
     build_model,
     free_memory,
@@ -90,47 +98,8 @@ from engine_systems import quanto_available, run_engine, run_hf  # noqa: E402
 
 GiB = 2**30
 
-SMOKE_MODELS = {
-    "tiny-mha": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0),
-    "tiny-gqa": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=500000.0),
-}
-# workload -> (prompt tokens, new tokens or an inclusive (low, high) range drawn uniformly per prompt)
-WORKLOADS = {"a": (160, 338), "b": (1024, 256), "c": (4000, 256), "d": (1024, (16, 1024)), "e": (256, 2048)}
-SMOKE_WORKLOADS = {"a": (12, 24), "b": (40, 12), "c": (100, 6), "d": (40, (2, 24)), "e": (16, 56)}
-SMOKE_KIVI = dict(residual_length=32, page_size=32)  # short residual so tiny workloads exercise the packed store
-SMOKE_SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-kivi-2", "engine-bf16", "engine-kivi-2")
-NUM_PROMPTS = {"a": 512, "b": 512, "c": 128, "d": 512, "e": 256}
-QUICK_NUM_PROMPTS = {"a": 256, "b": 256, "c": 64, "d": 256, "e": 128}
-SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-quanto-4", "hf-kivi-2", "engine-bf16", "engine-kivi-4", "engine-kivi-2")
-
 
 # -- the matrix -------------------------------------------------------------------------------------------
-def finish_record(rec: dict, n: int, device: torch.device) -> dict:
-    """Derived fields shared by hf and engine records."""
-    wall, steps, bound_steps = rec["wall_s"], rec["decode_steps"], rec["bound_steps"]
-    rec["output_tokens_per_s"] = rec["output_tokens"] / wall if wall > 0 else None
-    rec["ms_per_decode_step"] = 1e3 * rec["decode_s"] / steps if steps else None
-    rec["decode_bound_ms"] = 1e3 * rec["decode_bound_s"] / bound_steps if bound_steps else None
-    rec["decode_compute_bound_ms"] = 1e3 * rec["decode_compute_s"] / bound_steps if bound_steps else None
-    rec["decode_floor_ms"] = 1e3 * rec["decode_floor_s"] / bound_steps if bound_steps else None
-    if rec["ms_per_decode_step"] and rec["decode_bound_ms"]:
-        rec["step_over_bound"] = rec["ms_per_decode_step"] / rec["decode_bound_ms"]
-    rec["mean_decode_batch"] = rec["decode_rows"] / bound_steps if bound_steps else None
-    pk = peak_gib(device)
-    rec["peak_allocated_gib"] = max(x for x in (pk, rec.get("build_peak_gib")) if x is not None) if pk else None
-    if rec["num_prompts_done"] < n:
-        rec["status"] = f"partial: {rec['num_prompts_done']}/{n} prompts done in the time limit"
-    else:
-        rec["status"] = "ok"
-    if rec.get("request_errors"):
-        rec["status"] += f"; {rec['request_errors']} request errors"
-    if rec.get("wrong_length_completions"):
-        rec["status"] += f"; {rec['wrong_length_completions']} completions of the wrong length"
-    return rec
-
-
 def run_one(model, model_name: str, system: str, workload: str, cap_gib: float, prompts, ctx) -> dict:
     base = dict(system=system, model=model_name, workload=workload, cap_gib=cap_gib, num_prompts=len(prompts),
                 prompt_len=len(prompts[0].ids), new_tokens=ctx.workloads[workload][1])

@@ -1,9 +1,11 @@
-"""bench_engine's report: a table row per record, the summary's compact records and the speedups the
-issue's targets are stated in."""
+"""bench_engine's report: the derived fields of a record, a table row per record, the summary's compact records
+and the speedups the issue's targets are stated in."""
 
 from __future__ import annotations
 
+import torch
 from engine_probe import split_system
+from engine_setup import peak_gib
 
 
 def fmt_num(x, spec: str) -> str:
@@ -46,3 +48,27 @@ def speedups(records: list[dict]) -> dict:
 def compact(r: dict) -> dict:
     out = {k: r.get(k) for k in SUMMARY_KEYS}
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def finish_record(rec: dict, n: int, device: torch.device) -> dict:
+    """Derived fields shared by hf and engine records."""
+    wall, steps, bound_steps = rec["wall_s"], rec["decode_steps"], rec["bound_steps"]
+    rec["output_tokens_per_s"] = rec["output_tokens"] / wall if wall > 0 else None
+    rec["ms_per_decode_step"] = 1e3 * rec["decode_s"] / steps if steps else None
+    rec["decode_bound_ms"] = 1e3 * rec["decode_bound_s"] / bound_steps if bound_steps else None
+    rec["decode_compute_bound_ms"] = 1e3 * rec["decode_compute_s"] / bound_steps if bound_steps else None
+    rec["decode_floor_ms"] = 1e3 * rec["decode_floor_s"] / bound_steps if bound_steps else None
+    if rec["ms_per_decode_step"] and rec["decode_bound_ms"]:
+        rec["step_over_bound"] = rec["ms_per_decode_step"] / rec["decode_bound_ms"]
+    rec["mean_decode_batch"] = rec["decode_rows"] / bound_steps if bound_steps else None
+    pk = peak_gib(device)
+    rec["peak_allocated_gib"] = max(x for x in (pk, rec.get("build_peak_gib")) if x is not None) if pk else None
+    if rec["num_prompts_done"] < n:
+        rec["status"] = f"partial: {rec['num_prompts_done']}/{n} prompts done in the time limit"
+    else:
+        rec["status"] = "ok"
+    if rec.get("request_errors"):
+        rec["status"] += f"; {rec['request_errors']} request errors"
+    if rec.get("wrong_length_completions"):
+        rec["status"] += f"; {rec['wrong_length_completions']} completions of the wrong length"
+    return rec

@@ -17,6 +17,22 @@ MODELS = {  # random-weight bf16 Llama shapes; 8192 positions so that workload c
                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
 }
 
+SMOKE_MODELS = {
+    "tiny-mha": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0),
+    "tiny-gqa": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=500000.0),
+}
+# workload -> (prompt tokens, new tokens or an inclusive (low, high) range drawn uniformly per prompt)
+WORKLOADS = {"a": (160, 338), "b": (1024, 256), "c": (4000, 256), "d": (1024, (16, 1024)), "e": (256, 2048)}
+SMOKE_WORKLOADS = {"a": (12, 24), "b": (40, 12), "c": (100, 6), "d": (40, (2, 24)), "e": (16, 56)}
+SMOKE_KIVI = dict(residual_length=32, page_size=32)  # short residual so tiny workloads exercise the packed store
+SMOKE_SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-kivi-2", "engine-bf16", "engine-kivi-2")
+NUM_PROMPTS = {"a": 512, "b": 512, "c": 128, "d": 512, "e": 256}
+QUICK_NUM_PROMPTS = {"a": 256, "b": 256, "c": 64, "d": 256, "e": 128}
+SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-quanto-4", "hf-kivi-2", "engine-bf16", "engine-kivi-4", "engine-kivi-2")
+
+
 
 # -- cache formats: bytes per sequence --------------------------------------------------------------
 @dataclass(frozen=True)
