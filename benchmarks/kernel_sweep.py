@@ -186,37 +186,10 @@ def run_shape(shape, variants, l2, results, sdpa=True):
         del data
         torch.cuda.empty_cache()
     if sdpa:
-        results.append(time_sdpa(B, L, Hq, H, l2))
+        from kernel_cases import bench_sdpa  # bench_kernels' SDPA row: flash over bf16, checked, then timed
+
+        results.append(bench_sdpa(B, L, Hq, H, D, None))
         print(line(results[-1]), flush=True)
-
-
-def time_sdpa(B, L, Hq, H, l2) -> dict:
-    import torch.nn.functional as F
-    from gpu_timing import cuda_generator, sets_for, time_graph
-    from kivi_data import bf16_bytes
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    nbytes = bf16_bytes(B, L, Hq, H, D)
-    rec = dict(kernel="sdpa_bf16", bits=16, batch=B, context=L, q_heads=Hq, kv_heads=H, head_dim=D, bytes=nbytes)
-    if nbytes > 60e9:
-        rec["skipped"] = "too large"
-        return rec
-    try:
-        n_sets = sets_for(nbytes, l2)
-        gen = cuda_generator(5)
-        kv = torch.randn(2, n_sets * B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        q = torch.randn(n_sets * B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        gqa = dict(enable_gqa=True) if Hq != H else {}
-
-        def one(i, q=q, kv=kv):
-            sl = slice(i * B, (i + 1) * B)
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q[sl], kv[0, sl], kv[1, sl], **gqa)
-        rec.update(time_graph([lambda i=i: one(i) for i in range(n_sets)]))
-        rec["gbps"] = nbytes / (rec["ms"] * 1e-3) / 1e9
-    except Exception as exc:  # noqa: BLE001
-        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    return rec
 
 
 def line(r: dict) -> str:
