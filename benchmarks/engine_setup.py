@@ -33,7 +33,6 @@ QUICK_NUM_PROMPTS = {"a": 256, "b": 256, "c": 64, "d": 256, "e": 128}
 SYSTEMS = ("hf-bf16", "hf-quanto-2", "hf-quanto-4", "hf-kivi-2", "engine-bf16", "engine-kivi-4", "engine-kivi-2")
 
 
-
 # -- cache formats: bytes per sequence --------------------------------------------------------------
 @dataclass(frozen=True)
 class KVFormat:

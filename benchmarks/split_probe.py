@@ -43,25 +43,21 @@ def kernel_means(calls, repeats: int = 40) -> dict:
 
 def probe(B: int, L: int, Hq: int, H: int, l2: int) -> dict:
     from gpu_timing import sets_for, time_graph
-    from kivi_data import kivi_args, kivi_bytes, make_kivi_sets, table_width
+    from kernel_sweep import resolve
+    from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
 
-    from kernels.decode_attention import common as C
     from kernels.decode_attention import decode_attention
-    from kernels.decode_attention.ops_mma import MMA_MAXNREG, MMA_PER_SM, mma_resident
 
     nbytes = kivi_bytes(B, L, Hq, H, D, 2, 2)
     n_sets = sets_for(nbytes, l2)
     data = make_kivi_sets(B, L, Hq, H, D, 2, 2, torch.bfloat16, torch.device("cuda"), n_sets, seed=5)
-    max_tokens = table_width(data["pages"]) * 128 + 128
-    splits = C.one_warp_launch("probe", MMA_MAXNREG, None, B * H, max_tokens, torch.device("cuda"), MMA_PER_SM,
-                               resident=mma_resident(MMA_MAXNREG))
-    ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128,
-                mma=True, num_splits=splits)
+    tuning = resolve("new", B, L, Hq, H, dict(mma=True))  # the launcher's default split count, made explicit
+    ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128, **tuning)
     outs = [torch.empty_like(s["q"]) for s in data["sets"]]
     calls = [(lambda i=i, data=data: decode_attention(data["sets"][i]["q"], *kivi_args(data, i), out=outs[i], **ints))
              for i in range(n_sets)]
     graph = time_graph(calls)
-    rec = dict(batch=B, context=L, q_heads=Hq, kv_heads=H, num_splits=splits, bytes=nbytes,
+    rec = dict(batch=B, context=L, q_heads=Hq, kv_heads=H, num_splits=tuning["num_splits"], bytes=nbytes,
                graph_us=round(graph["ms"] * 1e3, 2), kernels=kernel_means(calls))
     del data
     torch.cuda.empty_cache()

@@ -17,7 +17,7 @@ from .kernel import store_decode_kernel, store_prefill_kernel
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # store_decode with one program per head's keys or values, its flush a loop over channel chunks, from this many KV
 # heads up (None: never). At 32 heads it made the engine's append 16-23% faster (141 rows: 15.2 -> 12.8 us a layer;
-# 238: 22.6 -> 17.4) and a flush of every row 3-8% slower; at 8 heads the append lost up to 30% (64 rows: 4.7 ->
+# 238: 22.6 -> 17.4) and a flush of every row 3-11% slower; at 8 heads the append lost up to 30% (64 rows: 4.7 ->
 # 6.2 us): kernel_notes.md, store kernels, 12; kernels-20261130-h200-stores-loop.json
 STORE_LOOP_MIN_HEADS: int | None = 16
 
