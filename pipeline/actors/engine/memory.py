@@ -19,7 +19,12 @@ class CachePlan:
 
 
 def measure_workspace(model, prefill_tokens: int, vocab: int, max_batch: int) -> int:
-    """Peak activation bytes of a prefill forward of `prefill_tokens` tokens (no cache) plus decode logits."""
+    """Peak activation bytes of a prefill forward of `prefill_tokens` tokens (no cache) plus decode logits.
+
+    The forward's blocks go back to the device afterwards (empty_cache): without expandable segments the caching
+    allocator kept ~9.6 GiB of them reserved (Llama-2-7B, 16,384 tokens), the cache's pools were then carved out of
+    them with 3.1 GiB lost to split blocks, and a build under a per-process memory fraction of 40 GiB ran out of
+    memory (benchmarks/profile_step.py, which does not set expandable segments as the actor does)."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         return 0
@@ -32,6 +37,7 @@ def measure_workspace(model, prefill_tokens: int, vocab: int, max_batch: int) ->
         model.get_output_embeddings()(hidden[:, -1])
     del hidden
     peak = torch.cuda.max_memory_allocated() - before
+    torch.cuda.empty_cache()
     return peak + 2 * max_batch * vocab * 4  # decode logits in fp32, twice (graph output + sampling)
 
 
