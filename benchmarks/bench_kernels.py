@@ -23,6 +23,8 @@ Kernels (head_dim 128, 32 query heads with 32 or 8 KV heads, batch 1/8/64/256, c
                         (batch 64 and 256; 8 and 32 KV heads)
   residual_append       the same at an engine's step, where 1 row in 32 flushes (rows of staggered lengths up to
                         1,153 tokens; batch 141 and 238 with 32 KV heads, workloads b and a; 64 and 256 with 8)
+  residual_append_only  the same where no row flushes (rows of one length, 1,152 tokens: 31 of 32 steps of rows
+                        that started together, as in a wave of workload b or e)
 
 How each number is measured:
   ms            median over replays of one CUDA graph that calls the kernel many times, cycling through several
@@ -161,8 +163,10 @@ def main() -> None:
                 log(summary_line(records[-1]))
         for tuning in store_tunings(ARGS.tune) + LOOP_TUNINGS:  # an engine's step: 1 row in G flushes
             for B, H, D in store_cfgs["append"]:
-                records.append(bench_store_flush(B, H, D, bits, copy_gbps, L=1152, tuning=tuning, staggered=True))
-                log(summary_line(records[-1]))
+                for flushing in ("staggered", "none"):
+                    records.append(bench_store_flush(B, H, D, bits, copy_gbps, L=1152, tuning=tuning,
+                                                     flushing=flushing))
+                    log(summary_line(records[-1]))
     save()
     for B, L, Hq, H, D in shapes:
         recs = [bench_sdpa(B, L, Hq, H, D, copy_gbps), bench_paged(B, L, Hq, H, D, copy_gbps)]

@@ -150,4 +150,11 @@ def plan(name: str):
         out.append(((8, 4096, 32, 8), [("new", 2, dict(mma=True, ring_units=u, num_splits=s))
                                        for u in (2, 3) for s in (8, 11, 13)]))
         return out
+    if name == "wide":  # above a wave of programs, with the ring shared out (version 21): 1, 2 and 3 splits on the
+        # engine's widths (b: 141-150 rows of 1,152-1,280; e: 96 of 1,280-2,304; a: 256 of 330), where 4.3-4.5
+        # waves of unsplit programs leave the last wave mostly idle (version 17b measured this with the whole ring
+        # in one split, and lost)
+        vs = [("new", 2, dict(mma=True, num_splits=s)) for s in (1, 2, 3)]
+        return [((B, L, 32, 32), vs) for B, L in [(141, 1152), (150, 1152), (150, 1280), (96, 1280), (96, 2304),
+                                                   (256, 330)]]
     raise SystemExit(f"unknown plan {name}")

@@ -83,17 +83,24 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
     return guarded(rec, 20 * nbytes + 2**30, body)
 
 
+FLUSHING = {"all": "residual_flush", "staggered": "residual_append", "none": "residual_append_only"}
+
+
 def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = None, impl: str = "new",
-                      staggered: bool = False) -> dict:
-    """Every row flushes its oldest group (residual_flush), or with `staggered` only rows b % G == 0 do, as in
-    an engine's step (residual_append: row b holds L + 1 - b % G tokens; bench_kernels gives it L=1,152, b's
-    length, whose pools fit 16 sets where L=4,096's would not)."""
+                      flushing: str = "all") -> dict:
+    """Every row flushes its oldest group (flushing="all": residual_flush); "staggered": only rows b % G == 0 do,
+    as in an engine's step of rows of different lengths (residual_append: row b holds L + 1 - b % G tokens;
+    bench_kernels gives it L=1,152, b's length, whose pools fit 16 sets where L=4,096's would not); "none": no
+    row does, as at 31 of 32 steps of rows that started together (residual_append_only: every row holds L)."""
     from kernels.kv_store import reference as kv_ref
 
+    if flushing not in FLUSHING:
+        raise ValueError(f"flushing must be one of {list(FLUSHING)}, got {flushing!r}")
     seq = L + 1  # token L is appended; (L - R) % G == 0, so the oldest residual group is flushed first
-    nbytes = decode_store_bytes(B, H, D, bits, flushed=-(-B // G) if staggered else None)
+    flushed = {"all": None, "staggered": -(-B // G), "none": 0}[flushing]
+    nbytes = decode_store_bytes(B, H, D, bits, flushed=flushed)
     tuning = tuning or {}
-    name = "residual_append" if staggered else "residual_flush"
+    name = FLUSHING[flushing]
     rec = record(name + SUFFIX[impl], bits, B, seq, H, H, D, copy_gbps, tuning=tuning)
     _, store_decode = store_ops(impl)
 
@@ -105,9 +112,11 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
         kv = torch.randn(2, k_sets, B, H, D, device=DEV, dtype=DTYPE, generator=gen(24))
         pools = [data["pools"][n] for n in KIVI_POOLS]
         ints = dict(k_bits=bits, v_bits=bits, group_size=G, residual_length=R, page_size=P)
-        if staggered:
-            for s in data["sets"]:
+        for s in data["sets"]:
+            if flushing == "staggered":
                 s["seq_lens"] = s["seq_lens"] - torch.arange(B, device=DEV, dtype=s["seq_lens"].dtype) % G
+            elif flushing == "none":
+                s["seq_lens"] = s["seq_lens"] - 1
         s = data["sets"][0]
         ref = [x.clone() for x in pools]
         store_decode(kv[0, 0], kv[1, 0], s["seq_lens"], s["slots"], s["block_table"], *pools, **ints, **tuning)
