@@ -21,6 +21,17 @@ def test_memory_plan_splits_budget_into_slots_and_pages():
     with pytest.raises(ValueError, match="does not fit"):
         plan_cache(limit_bytes=1_000, used_bytes=900, workspace_bytes=0, page_bytes=100, slot_bytes=50,
                    pages_per_seq=4, max_batch=8, min_pages=5, max_pages_per_slot=8)
+    # slots for the mean length would leave fewer pages than the longest sequence needs: fewer slots, not an error
+    tight = plan_cache(limit_bytes=10_000, used_bytes=0, workspace_bytes=0, page_bytes=100, slot_bytes=300,
+                       pages_per_seq=1, max_batch=100, min_pages=40, max_pages_per_slot=40)
+    assert (tight.num_slots, tight.num_pages) == (20, 40)
+    half = plan_cache(limit_bytes=10_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
+                      pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8, budget_scale=0.5)
+    assert half.budget_bytes == budget // 2 and half.num_slots == (budget // 2) // 700
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="budget_scale"):
+            plan_cache(limit_bytes=10_000, used_bytes=0, workspace_bytes=0, page_bytes=100, slot_bytes=300,
+                       pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8, budget_scale=bad)
 
 
 def test_mean_pages_counts_each_sequence_in_whole_pages(monkeypatch):
@@ -59,6 +70,61 @@ def test_engine_plan_gives_equal_lengths_exactly_their_slots(tiny):
     per_seq = (storage.slot_bytes(heads, dim, dtype) + pages * storage.page_bytes(heads, dim, dtype)) * layers
     assert plan.num_slots == int(config.cpu_cache_gib * 2**30) // per_seq > 1
     assert plan.num_pages >= plan.num_slots * pages
+
+
+def _failing_cache(monkeypatch, fails) -> list:
+    """Patch the engine's EngineCache so that construction number n (from 1) raises a CUDA out-of-memory error
+    where fails(n); returns the list of what each construction was asked for (slots, pages)."""
+    from pipeline.actors.engine import llm_engine
+
+    real, asked = llm_engine.EngineCache, []
+
+    def cache(*args, **kwargs):
+        asked.append((kwargs["num_slots"], kwargs["num_pages"]))
+        if fails(len(asked)):
+            raise torch.OutOfMemoryError("simulated")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "EngineCache", cache)
+    return asked
+
+
+def test_build_out_of_memory_retries_with_a_smaller_budget(tiny, monkeypatch):
+    """Out of memory while the cache is allocated: the build runs again on BUILD_SHRINK of the budget, the
+    requests complete as on an engine that never failed, and the stats count the retry."""
+    from pipeline.actors.engine import LLMEngine
+    from pipeline.actors.engine.memory import BUILD_SHRINK
+    from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
+
+    reqs = requests([9, 23, 14], [6, 11, 4], seed=int(torch.randint(0, 1000, ())))
+    # 1-3 MiB: 20-70 slots, so that the budget, not max_batch_size or the pages a slot could use, decides the plan
+    config = EngineConfig(kivi=SMALL_KIVI, cpu_cache_gib=float(torch.randint(1, 4, ())) / 2**10)
+    clean = LLMEngine(tiny, StubTokenizer(), config)
+    expected = [c.token_ids for c in clean.generate(reqs)]
+    asked = _failing_cache(monkeypatch, lambda n: n == 1)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    assert [c.token_ids for c in engine.generate(reqs)] == expected
+    assert engine.stats()["oom_retries"] == 1 and len(asked) == 2
+    assert engine.plan.budget_bytes == int(clean.plan.budget_bytes * BUILD_SHRINK)
+    assert asked[0] == (clean.plan.num_slots, clean.plan.num_pages) and asked[1][0] < asked[0][0]
+
+
+def test_build_that_keeps_running_out_of_memory_raises_and_builds_later(tiny, monkeypatch):
+    """BUILD_ATTEMPTS failures in a row: the call gets the out-of-memory error, nothing is left half built, and
+    the next call, once memory is there, builds and completes."""
+    from pipeline.actors.engine import LLMEngine
+    from pipeline.actors.engine.memory import BUILD_ATTEMPTS
+    from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
+
+    reqs = requests([12, 5], [7, 9], seed=int(torch.randint(0, 1000, ())))
+    expected = [c.token_ids for c in LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI)).generate(reqs)]
+    asked = _failing_cache(monkeypatch, lambda n: n <= BUILD_ATTEMPTS)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        engine.generate(reqs)
+    assert len(asked) == BUILD_ATTEMPTS and engine.runner is None and not engine.active and not engine.has_work()
+    assert [c.token_ids for c in engine.generate(reqs)] == expected
+    assert len(asked) == BUILD_ATTEMPTS + 1 and engine.stats()["oom_retries"] == BUILD_ATTEMPTS
 
 
 @pytest.mark.parametrize("bad", [dict(mlp_chunk_tokens=0), dict(mlp_chunk_tokens=1.5), dict(max_prefill_tokens=0),

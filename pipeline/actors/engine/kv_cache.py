@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from kivi.cache import KiviLayer, PagedKVCache
+import kernels
+from kivi.cache import KiviLayer, PagedKVCache, resolve_backend
 from kivi.models import kv_shape
-from kivi.storage import BatchMeta
+from kivi.storage import BatchMeta, FullStorage, QuantizedStorage
+
+
+def engine_storage(config, device: torch.device) -> FullStorage | QuantizedStorage:
+    """The storage format of an engine (EngineConfig `config`): KIVI's packed pages and ring, or full-precision
+    pages when config.kivi is None; Triton kernels on a GPU, the PyTorch references on a CPU."""
+    kivi = config.kivi
+    if kivi is None:
+        return FullStorage(config.page_size, kernels.get_ops("triton" if device.type == "cuda" else "reference"))
+    kivi = resolve_backend(kivi, device, allow_interpreter=False)
+    return QuantizedStorage(kivi, kernels.get_ops(kivi.backend))
 
 
 class EngineCache(PagedKVCache):

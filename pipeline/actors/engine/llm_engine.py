@@ -14,13 +14,11 @@ from collections.abc import Callable
 import torch
 
 import kernels
-from kivi.cache import resolve_backend
 from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
-from kivi.storage import FullStorage, QuantizedStorage
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
-from pipeline.actors.engine.kv_cache import EngineCache
-from pipeline.actors.engine.memory import peak_memory_mb, plan_for
+from pipeline.actors.engine.kv_cache import EngineCache, engine_storage
+from pipeline.actors.engine.memory import build_shrinking, peak_memory_mb, plan_for
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
@@ -48,21 +46,24 @@ class LLMEngine:
         self.reset_stats()
 
     # -- set-up ----------------------------------------------------------------------------
-    def _storage(self):
-        kivi = self.config.kivi
-        if kivi is None:
-            backend = "triton" if self.device.type == "cuda" else "reference"
-            return FullStorage(self.config.page_size, kernels.get_ops(backend))
-        kivi = resolve_backend(kivi, self.device, allow_interpreter=False)
-        return QuantizedStorage(kivi, kernels.get_ops(kivi.backend))
-
     def _build(self, seqs: list[Sequence]) -> None:
-        """Plan and allocate the cache for sequences like these, then capture the decode graphs."""
+        """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
+        again with a smaller budget (memory.build_shrinking; each error counts in the stats' oom_retries)."""
         t0 = time.perf_counter()
-        storage = self._storage()
-        cfg = self.config
-        fused = self._fused_layers()
-        plan = plan_for(self.model, storage, cfg, [s.total_len for s in seqs], self.max_model_len, fused)
+        build_shrinking(lambda scale: self._allocate(seqs, scale), self._release)
+        self.build_s = time.perf_counter() - t0
+        log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
+                 self.cache.slot_bytes)
+
+    def _release(self) -> None:
+        """Drop a failed build's cache and graphs (runner None: the next add() builds again)."""
+        self.runner = self.cache = None
+        self.stats_acc["oom_retries"] += 1
+
+    def _allocate(self, seqs: list[Sequence], budget_scale: float) -> None:
+        storage, cfg, fused = engine_storage(self.config, self.device), self.config, self._fused_layers()
+        plan = plan_for(self.model, storage, cfg, [s.total_len for s in seqs], self.max_model_len, fused,
+                        budget_scale=budget_scale)
         self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                                  max_pages_per_seq=max(1, storage.pages_for(self.max_model_len)),
                                  dtype=self.dtype, device=self.device)
@@ -72,12 +73,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
                                   max_len=self.max_model_len, layers=fused, tune_buckets=cfg.tune_buckets)
         self.plan = plan
-        self.build_s = time.perf_counter() - t0
-        log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", plan, self.cache.page_bytes, self.cache.slot_bytes)
-        moved = {b: w for b, w in self.runner.route.items() if w != b}
-        if moved:
-            log.info("decode buckets run wider (bucket: rows): %s; graph ms by rows: %s", moved,
-                     {w: round(ms, 3) for w, ms in sorted(self.runner.widths_ms.items())})
 
     def _fused_layers(self) -> FusedLayers | None:
         model_type = getattr(self.model.config, "model_type", None)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from kivi.models import kv_shape
+
+log = logging.getLogger(__name__)
+BUILD_ATTEMPTS = 3  # cache builds tried after CUDA out-of-memory errors, each BUILD_SHRINK of the last's budget
+BUILD_SHRINK = 0.85
 
 
 @dataclass(frozen=True)
@@ -55,17 +62,24 @@ def mean_pages(total_lens: list[int], pages_for) -> float:
 
 
 def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_bytes: int, slot_bytes: int,
-               pages_per_seq: float, max_batch: int, min_pages: int, max_pages_per_slot: int) -> CachePlan:
-    """Split the bytes left under `limit_bytes` into slots and pages.
+               pages_per_seq: float, max_batch: int, min_pages: int, max_pages_per_slot: int,
+               budget_scale: float = 1.0) -> CachePlan:
+    """Split the bytes left under `limit_bytes` (times budget_scale: a build retried after running out of memory)
+    into slots and pages.
 
-    Sequences of about `pages_per_seq` pages each decide how many slots are worth having; every
-    byte not spent on slots becomes pages, up to what the slots could ever hold.
+    Sequences of about `pages_per_seq` pages each decide how many slots are worth having, as long as
+    `min_pages` pages (a sequence of the longest length) are left; every byte not spent on slots becomes
+    pages, up to what the slots could ever hold.
     Raises ValueError if not even one sequence fits.
     """
+    if not 0 < budget_scale <= 1:
+        raise ValueError(f"budget_scale must be in (0, 1], got {budget_scale!r}")
     margin = limit_bytes // 50 if workspace_bytes else 0  # allocator fragmentation and graph pools on a GPU
-    budget = limit_bytes - used_bytes - workspace_bytes - margin
+    budget = int((limit_bytes - used_bytes - workspace_bytes - margin) * budget_scale)
     per_seq = slot_bytes + pages_per_seq * page_bytes
     num_slots = int(max(1, min(max_batch, budget // max(per_seq, 1))))
+    # fewer slots rather than fewer pages than one sequence of the longest length needs
+    num_slots = int(max(1, min(num_slots, (budget - min_pages * page_bytes) // max(slot_bytes, 1))))
     num_pages = int((budget - num_slots * slot_bytes) // max(page_bytes, 1))
     num_pages = min(num_pages, num_slots * max_pages_per_slot)  # more could never be used
     if budget <= 0 or num_pages < min_pages:
@@ -77,11 +91,12 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
     return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes)
 
 
-def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None) -> CachePlan:
+def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None,
+             budget_scale: float = 1.0) -> CachePlan:
     """The cache plan of an engine (EngineConfig `config`, its cache `storage`) for sequences of these total
     lengths. On a GPU the limit is memory_limit_gib, or gpu_memory_utilization of the device, less the weights
     allocated now and the measured workspace of a prefill forward (run under `fused`, as the engine's forwards
-    will be); on a CPU it is cpu_cache_gib, all of it for the cache."""
+    will be); on a CPU it is cpu_cache_gib, all of it for the cache. budget_scale as in plan_cache."""
     param = next(model.parameters())
     layers, kv_heads, head_dim = kv_shape(model.config)
     if param.device.type == "cuda":
@@ -98,7 +113,28 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
                       page_bytes=storage.page_bytes(kv_heads, head_dim, param.dtype) * layers,
                       slot_bytes=storage.slot_bytes(kv_heads, head_dim, param.dtype) * layers,
                       pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
-                      min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages)
+                      min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages,
+                      budget_scale=budget_scale)
+
+
+def build_shrinking(build: Callable[[float], None], release: Callable[[], None]) -> None:
+    """build(budget_scale) from 1.0, then BUILD_SHRINK times the last scale after each CUDA out-of-memory error
+    (the plan's bytes are what fits by the numbers, but fragmentation, graph pools or another process on the GPU
+    can take more), release() first dropping what the failed attempt allocated. After BUILD_ATTEMPTS failures
+    the last error is raised."""
+    scale = 1.0
+    for attempt in range(BUILD_ATTEMPTS):
+        try:
+            return build(scale)
+        except torch.OutOfMemoryError:
+            release()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if attempt == BUILD_ATTEMPTS - 1:
+                raise
+            scale *= BUILD_SHRINK
+            log.warning("CUDA out of memory building the cache: retrying with %.0f%% of its budget", 100 * scale)
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:

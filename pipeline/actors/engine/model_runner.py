@@ -14,12 +14,15 @@ least as wide (route_buckets).
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from pipeline.actors.engine.kv_cache import EngineCache
+
+log = logging.getLogger(__name__)
 
 
 def _cache_kwarg(decoder) -> str:
@@ -78,6 +81,10 @@ class ModelRunner:
             if tune_buckets:
                 self.widths_ms = {w: self._replay_ms(w) for w in self.graphs}
                 self.route = route_buckets(self.buckets, self.widths_ms)
+                moved = {b: w for b, w in self.route.items() if w != b}
+                if moved:
+                    log.info("decode buckets run wider (bucket: rows): %s; graph ms by rows: %s", moved,
+                             {w: round(ms, 3) for w, ms in sorted(self.widths_ms.items())})
 
     def _forward(self, **inputs) -> torch.Tensor:
         inputs[self.cache_kwarg] = self.cache
