@@ -13,9 +13,10 @@ import kernels
 from kivi.cache import KiviLayer, PagedKVCache, resolve_backend
 from kivi.models import kv_shape
 from kivi.storage import BatchMeta, FullStorage, QuantizedStorage
+from pipeline.actors.engine.config import EngineConfig
 
 
-def engine_storage(config, device: torch.device) -> FullStorage | QuantizedStorage:
+def engine_storage(config: EngineConfig, device: torch.device) -> FullStorage | QuantizedStorage:
     """The storage format of an engine (EngineConfig `config`): KIVI's packed pages and ring, or full-precision
     pages when config.kivi is None; Triton kernels on a GPU, the PyTorch references on a CPU."""
     kivi = config.kivi

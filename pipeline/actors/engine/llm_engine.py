@@ -48,17 +48,17 @@ class LLMEngine:
     # -- set-up ----------------------------------------------------------------------------
     def _build(self, seqs: list[Sequence]) -> None:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
-        again with a smaller budget (memory.build_shrinking; each error counts in the stats' oom_retries)."""
+        again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries)."""
         t0 = time.perf_counter()
         build_shrinking(lambda scale: self._allocate(seqs, scale), self._release)
         self.build_s = time.perf_counter() - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
                  self.cache.slot_bytes)
 
-    def _release(self) -> None:
-        """Drop a failed build's cache and graphs (runner None: the next add() builds again)."""
-        self.runner = self.cache = None
-        self.stats_acc["oom_retries"] += 1
+    def _release(self, retrying: bool) -> None:
+        """Drop a failed build's cache, graphs and tables (runner None: the next add() builds again)."""
+        self.runner = self.cache = self.blocks = self.scheduler = None
+        self.stats_acc["oom_retries"] += retrying
 
     def _allocate(self, seqs: list[Sequence], budget_scale: float) -> None:
         storage, cfg, fused = engine_storage(self.config, self.device), self.config, self._fused_layers()

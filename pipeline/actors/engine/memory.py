@@ -83,10 +83,11 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
     num_pages = int((budget - num_slots * slot_bytes) // max(page_bytes, 1))
     num_pages = min(num_pages, num_slots * max_pages_per_slot)  # more could never be used
     if budget <= 0 or num_pages < min_pages:
+        scaled = f", {budget_scale:.0%} of it after running out of memory" if budget_scale < 1 else ""
         raise ValueError(
             f"the KV cache does not fit: {budget / 2**30:.2f} GiB left for it under a limit of "
             f"{limit_bytes / 2**30:.2f} GiB (weights {used_bytes / 2**30:.2f} GiB, activations "
-            f"{workspace_bytes / 2**30:.2f} GiB); one sequence needs {min_pages} pages of {page_bytes} bytes"
+            f"{workspace_bytes / 2**30:.2f} GiB{scaled}); one sequence needs {min_pages} pages of {page_bytes} bytes"
         )
     return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes)
 
@@ -117,24 +118,28 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
                       budget_scale=budget_scale)
 
 
-def build_shrinking(build: Callable[[float], None], release: Callable[[], None]) -> None:
+def build_shrinking(build: Callable[[float], None], release: Callable[[bool], None]) -> None:
     """build(budget_scale) from 1.0, then BUILD_SHRINK times the last scale after each CUDA out-of-memory error
     (the plan's bytes are what fits by the numbers, but fragmentation, graph pools or another process on the GPU
-    can take more), release() first dropping what the failed attempt allocated. After BUILD_ATTEMPTS failures
-    the last error is raised."""
+    can take more). After a failure release(retrying) drops what the attempt allocated, and its memory goes back
+    to the device once the error's frames are gone; after BUILD_ATTEMPTS failures a CUDA out-of-memory error with
+    the last one's message is raised (not the error itself: its traceback would keep the failed cache alive)."""
     scale = 1.0
     for attempt in range(BUILD_ATTEMPTS):
         try:
             return build(scale)
-        except torch.OutOfMemoryError:
-            release()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            if attempt == BUILD_ATTEMPTS - 1:
-                raise
-            scale *= BUILD_SHRINK
-            log.warning("CUDA out of memory building the cache: retrying with %.0f%% of its budget", 100 * scale)
+        except torch.OutOfMemoryError as err:
+            message = str(err)
+        retrying = attempt < BUILD_ATTEMPTS - 1
+        release(retrying)
+        gc.collect()  # the cache's layers refer back to it: a cycle
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if not retrying:
+            raise torch.OutOfMemoryError(f"{message} (building the KV cache, {BUILD_ATTEMPTS} tries down to "
+                                         f"{scale:.0%} of its budget)")
+        scale *= BUILD_SHRINK
+        log.warning("CUDA out of memory building the cache: retrying with %.0f%% of its budget", 100 * scale)
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:

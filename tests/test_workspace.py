@@ -1,0 +1,48 @@
+"""The engine's measured activation workspace on a GPU (pipeline/actors/engine/memory.py): what MLP chunks take
+out of it, and that the measurement gives its blocks back to the device."""
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="measure_workspace counts CUDA allocations")
+def test_mlp_chunks_shrink_the_measured_workspace():
+    """The engine's workspace measurement (a prefill forward's peak) under MLP chunks: wide MLPs' gate/up products
+    dominate it, so chunks of 256 of 4,096 tokens must take most of it away."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import kernels
+    from kivi.fused import FusedLayers
+    from pipeline.actors.engine.memory import measure_workspace
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=8192, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                                  max_position_embeddings=8192, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(DEVICE).eval()
+    whole = measure_workspace(model, 4096, 300, 1)
+    with FusedLayers(model, kernels.get_ops("triton"), mlp_chunk_tokens=256):
+        chunked = measure_workspace(model, 4096, 300, 1)
+    assert chunked < 0.4 * whole, (chunked, whole)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="measure_workspace counts CUDA allocations")
+def test_measured_workspace_leaves_nothing_reserved():
+    """The workspace forward's blocks go back to the device: the cache allocated next must not be carved out of
+    them (without expandable segments that fragmented a 40 GiB build into an out-of-memory error)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.actors.engine.memory import measure_workspace
+
+    hidden = int(torch.randint(2, 5, ()).item()) * 64
+    config = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                  max_position_embeddings=8192, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(DEVICE).eval()
+    measure_workspace(model, 8192, 300, 4)  # once first: cuBLAS's workspace and the like stay, as they would
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    workspace = measure_workspace(model, 8192, 300, 4)
+    assert workspace > 8192 * 4 * hidden * 2  # the gate/up products of 8,192 tokens were really measured
+    assert torch.cuda.memory_reserved() - reserved <= 2**21, (torch.cuda.memory_reserved(), reserved)
