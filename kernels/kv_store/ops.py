@@ -167,7 +167,7 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
     When L >= R and (L - R) % G == 0 the oldest group (slots (L - R) % R ..) is quantized into page
     block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R. Tuning as in store_prefill,
     and loop_chunks (default: from STORE_LOOP_MIN_HEADS KV heads up): one program for the keys or the values of
-    a whole head, its flush going over the chunks of block_c channels in turn (kernel.py, _append_head).
+    a whole head, its flush going over the chunks of block_c channels in turn (store_decode_kernel, LOOP_CHUNKS).
     """
     check_store_args(key, value, (("seq_lens", seq_lens),), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
