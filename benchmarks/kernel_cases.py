@@ -11,7 +11,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 from common import log
-from kivi_data import P, R, bf16_bytes, kivi_args, kivi_bytes, make_kivi_sets, table_width
+from kivi_data import P, R, bf16_bytes, kivi_args, kivi_bytes, make_kivi_sets, make_paged_sets
 
 from kernels.decode_attention import decode_attention
 from kernels.decode_attention import reference as dref
@@ -159,17 +159,9 @@ def bench_paged(B, L, Hq, H, D, copy_gbps) -> dict:
         from kernels.paged_attention import reference as pref
 
         k_sets = n_sets(nbytes, max_sets=16)
-        pages = -(-L // P)
-        g = gen(2)
-        k_pages = torch.randn(k_sets * B * pages, H, P, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        v_pages = torch.randn(k_sets * B * pages, H, P, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        cpu = torch.Generator().manual_seed(2)
-        perm = torch.randperm(k_sets * B * pages, generator=cpu).to(torch.int32)
-        table = perm.view(k_sets * B, pages)
-        table = torch.cat([table, torch.zeros(k_sets * B, table_width(pages) - pages, dtype=torch.int32)], 1).to(DEV)
-        q = torch.randn(k_sets, B, Hq, D, device=DEV, dtype=torch.bfloat16, generator=g)
-        seq_lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
-        slots = [torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device=DEV) for i in range(k_sets)]
+        data = make_paged_sets(B, L, Hq, H, D, DEV, k_sets, seed=2)
+        k_pages, v_pages, table, q = data["k_pages"], data["v_pages"], data["table"], data["q"]
+        slots, seq_lens = data["slots"], data["seq_lens"]
         outs = torch.empty_like(q)
 
         def one(i):

@@ -39,6 +39,22 @@ def table_width(pages: int) -> int:
     return max(16, -(-pages // 16) * 16)
 
 
+def make_paged_sets(B: int, L: int, Hq: int, H: int, D: int, device, n_sets: int, seed: int) -> dict:
+    """bf16 page pools [N, H, P, D] shared by n_sets sets of B rows of L tokens each, pages in a random order:
+    dict(k_pages, v_pages, table [n_sets * B, width], q [n_sets, B, Hq, D], slots (one [B] per set), seq_lens [B])."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    pages = -(-L // P)
+    k_pages = torch.randn(n_sets * B * pages, H, P, D, device=device, dtype=torch.bfloat16, generator=g)
+    v_pages = torch.randn(n_sets * B * pages, H, P, D, device=device, dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(n_sets * B * pages, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    table = perm.view(n_sets * B, pages)
+    table = torch.cat([table, torch.zeros(n_sets * B, table_width(pages) - pages, dtype=torch.int32)], 1).to(device)
+    q = torch.randn(n_sets, B, Hq, D, device=device, dtype=torch.bfloat16, generator=g)
+    slots = [torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device=device) for i in range(n_sets)]
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    return dict(k_pages=k_pages, v_pages=v_pages, table=table, q=q, slots=slots, seq_lens=seq_lens)
+
+
 def make_kivi_sets(B, L, Hq, H, D, kb, vb, dtype, device, n_sets: int, seed: int = 0, scale_dtype=None) -> dict:
     """Pools shared by n_sets sets; returns dict(pools=[8 tensors], sets=[dict(q, block_table, slots, seq_lens)]).
     Scales and zeros in scale_dtype, by default what KiviConfig's default stores for a `dtype` model."""

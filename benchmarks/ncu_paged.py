@@ -19,24 +19,9 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 import torch  # noqa: E402
-from kivi_data import P, table_width  # noqa: E402
+from kivi_data import P, make_paged_sets  # noqa: E402
 
 D, HQ = 128, 32
-
-
-def paged_inputs(B: int, L: int, H: int, device: torch.device) -> tuple:
-    """(q [B, 32, D], k_pages, v_pages [N, H, P, D], block_table [B, width], slots [B], seq_lens [B]); bf16 pages in
-    a random order."""
-    g = torch.Generator(device=device).manual_seed(5)
-    pages = -(-L // P)
-    k_pages = torch.randn(B * pages, H, P, D, device=device, dtype=torch.bfloat16, generator=g)
-    v_pages = torch.randn(B * pages, H, P, D, device=device, dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(B * pages, generator=torch.Generator().manual_seed(5)).to(torch.int32).view(B, pages)
-    table = torch.cat([table, torch.zeros(B, table_width(pages) - pages, dtype=torch.int32)], 1).to(device)
-    q = torch.randn(B, HQ, D, device=device, dtype=torch.bfloat16, generator=g)
-    slots = torch.arange(B, dtype=torch.int32, device=device)
-    seq_lens = torch.full((B,), L, dtype=torch.int32, device=device)
-    return q, k_pages, v_pages, table, slots, seq_lens
 
 
 def main() -> None:
@@ -52,10 +37,11 @@ def main() -> None:
     from kernels.paged_attention import reference
     from kernels.paged_attention.ops import paged_decode_attention
 
-    inputs = paged_inputs(B, L, args.kv_heads, device)
+    data = make_paged_sets(B, L, HQ, args.kv_heads, D, device, n_sets=1, seed=5)
+    q, k_pages, v_pages, table, slots, seq_lens = (data["q"][0], data["k_pages"], data["v_pages"], data["table"],
+                                                   data["slots"][0], data["seq_lens"])
     for _ in range(2):
-        out = paged_decode_attention(*inputs, sm_scale=D**-0.5, page_size=P)
-    q, k_pages, v_pages, table, slots, seq_lens = inputs
+        out = paged_decode_attention(q, k_pages, v_pages, table, slots, seq_lens, sm_scale=D**-0.5, page_size=P)
     rows = [0, B - 1]  # the fp32 reference on two rows: a whole large batch would take gigabytes
     ref = reference.paged_decode_attention(q[rows], k_pages, v_pages, table, slots[rows], seq_lens[rows],
                                            sm_scale=D**-0.5, page_size=P)
