@@ -23,9 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import env_header, write_json  # noqa: E402
 from engine_probe import build_engine, engine_config  # noqa: E402
-from engine_setup import MODELS, GiB, build_model, make_prompts, set_cap  # noqa: E402
-
-WORKLOADS = {"a": (160, 338), "b": (1024, 256), "e": (256, 2048)}
+from engine_setup import MODELS, WORKLOADS, GiB, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
 
 
 def main() -> None:
@@ -52,10 +50,9 @@ def main() -> None:
     set_cap(args.cap, dev)
     model = build_model(MODELS[args.model], dev)
     mark("model")
-    engine = LLMEngine(model, _Tokenizer(), engine_config(args.system, memory_limit_gib=args.cap))
+    engine = LLMEngine(model, StubTokenizer(), engine_config(args.system, memory_limit_gib=args.cap))
     mark("engine object")
-    prompt_len, new = WORKLOADS[args.workload]
-    prompts = make_prompts(args.workload, (prompt_len, new), 512, seed=0, vocab=model.config.vocab_size)
+    prompts = make_prompts(args.workload, WORKLOADS[args.workload], 512, seed=0, vocab=model.config.vocab_size)
     requests = [Request(f"r{i}", q.ids, SamplingParams(max_new_tokens=q.new_tokens)) for i, q in enumerate(prompts)]
     build_engine(engine, requests)
     mark("built (cache, graphs)")
@@ -72,13 +69,6 @@ def main() -> None:
     if args.out:
         write_json(args.out, out)
     print(json.dumps(out))
-
-
-class _Tokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return ""
 
 
 if __name__ == "__main__":

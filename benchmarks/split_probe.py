@@ -4,7 +4,8 @@ DRAM), beside the call's CUDA-graph time as bench_kernels measures it.
 
     python3 benchmarks/split_probe.py [--shapes 8,4096,32,8 1,131072,32,8] [--out probe.json]
 
-Prints one line per shape and one JSON object last: per shape `graph_us` (gpu_timing.time_graph, launch gaps
+Prints one line per shape and one JSON object last: `header` (common.env_header: date, GPU, versions) and per
+shape in `records` `graph_us` (gpu_timing.time_graph, launch gaps
 included), `kernels` ({kernel name: mean us per call}), `num_splits` and `bytes`.
 """
 
@@ -65,6 +66,7 @@ def probe(B: int, L: int, Hq: int, H: int, l2: int) -> dict:
 
 
 def main() -> None:
+    from common import env_header, write_json
     from gpu_timing import l2_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,10 +83,9 @@ def main() -> None:
         records.append(rec)
         print(f"B={B} L={L} {Hq}/{H} splits={rec['num_splits']} graph {rec['graph_us']} us  {rec['kernels']}",
               flush=True)
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, records=records)
+    result = dict(header=env_header(torch.device("cuda")), records=records)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
     print(json.dumps(result))
 
 
