@@ -34,6 +34,7 @@ def test_continuous_batching_matches_generate(tiny, cache_kind):
     assert decided > 0.8 * sum(r.sampling.max_new_tokens for r in reqs)  # near-ties are rare
     stats = engine.stats()
     assert stats["max_in_flight"] == 3 and stats["decode_steps"] > 0
+    assert stats["prefill_tokens"] == sum(len(r.prompt_token_ids) for r in reqs) and stats["prefill_s"] > 0
     assert stats["build_s"] > 0  # the cache plan and allocation, done in the first generate call
     assert 0 < stats["kv_cache_bytes"] and 0 < stats["kv_cache_bytes_bf16"]
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots

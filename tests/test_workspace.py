@@ -1,5 +1,6 @@
-"""The engine's measured activation workspace on a GPU (pipeline/actors/engine/memory.py): what MLP chunks take
-out of it, and that the measurement gives its blocks back to the device."""
+"""The engine's GPU memory (pipeline/actors/engine/memory.py): what MLP chunks take out of the measured activation
+workspace, that the measurement gives its blocks back to the device, and a real out-of-memory error in the middle
+of a CUDA graph capture."""
 
 import pytest
 import torch
@@ -46,3 +47,28 @@ def test_measured_workspace_leaves_nothing_reserved():
     workspace = measure_workspace(model, 8192, 300, 4)
     assert workspace > 8192 * 4 * hidden * 2  # the gate/up products of 8,192 tokens were really measured
     assert torch.cuda.memory_reserved() - reserved <= 2**21, (torch.cuda.memory_reserved(), reserved)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="a real CUDA out-of-memory error inside a CUDA graph capture")
+def test_out_of_memory_while_capturing_a_graph_rebuilds_and_completes(monkeypatch):
+    """The allocator fails in the middle of torch.cuda.graph (64 TiB asked for while the first decode graph is
+    captured): the capture is abandoned, the build retries on a smaller budget, and the requests give the tokens
+    of an engine that never failed."""
+    from pipeline.actors.engine import model_runner
+    from tests.engine_cases import gpu_fp32_tokens, requests
+
+    reqs = requests([90, 300, 17], [20, 35, 12], seed=int(torch.randint(0, 1000, ())))
+    expected, _ = gpu_fp32_tokens(reqs, max_batch_size=4)
+    real_body, failures = model_runner.ModelRunner._decode_graph_body, []
+
+    def body(self, batch):
+        if torch.cuda.is_current_stream_capturing() and not failures:
+            failures.append(batch)
+            torch.empty(2**46, dtype=torch.uint8, device=DEVICE)
+        return real_body(self, batch)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_decode_graph_body", body)
+    tokens, engine = gpu_fp32_tokens(reqs, max_batch_size=4)
+    assert len(failures) == 1 and engine.stats()["oom_retries"] == 1  # the first (widest) graph failed
+    assert tokens == expected and len(engine.runner.graphs) == len(engine.runner.buckets) + len(
+        model_runner.padded_widths(4))

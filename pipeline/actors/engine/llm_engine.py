@@ -145,6 +145,7 @@ class LLMEngine:
 
     # -- steps -----------------------------------------------------------------------------
     def _prefill(self, batch: list[Sequence]) -> None:
+        t0 = time.perf_counter()
         try:
             for seq in batch:
                 self.cache.set_pages(seq.slot, seq.pages)
@@ -158,7 +159,9 @@ class LLMEngine:
                 self.blocks.release(seq)
             raise
         self.scheduler.start_running(batch)
-        self._sample_and_advance(batch, logits)
+        self._sample_and_advance(batch, logits)  # reads the first tokens: the prefill's GPU work is done
+        self.stats_acc["prefill_s"] += time.perf_counter() - t0
+        self.stats_acc["prefill_tokens"] += sum(s.prompt_len for s in batch)
 
     def _decode(self) -> None:
         """Decode steps for the running sequences. While no row ends by length, step i+1 is launched from
@@ -280,7 +283,7 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         self.stats_acc = dict(kv_cache_bytes=0, kv_cache_bytes_bf16=0, decode_steps=0, decode_s=0.0,
-                              max_in_flight=0, oom_retries=0, wall_s=0.0)
+                              prefill_tokens=0, prefill_s=0.0, max_in_flight=0, oom_retries=0, wall_s=0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
