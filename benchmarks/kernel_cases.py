@@ -188,7 +188,7 @@ def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
     from kernels.decode_attention.ops_fma import _decode_attention_fma_kernel, fma_by_default
     from kernels.decode_attention.ops_mma import MMA_DEFAULT, _decode_attention_mma_kernel
 
-    mma_ok = bits == 2 and H <= Hq <= 8 * H and MMA_DEFAULT and _decode_attention_mma_kernel is not None  # (bf16)
+    mma_ok = bits in (2, 4) and H <= Hq <= 8 * H and MMA_DEFAULT and _decode_attention_mma_kernel is not None  # (bf16)
     mma = fma_by_default(B * H, max_tokens_of(L), mma_ok)
     eligible = bits == 2 and Hq == H and _decode_attention_fma_kernel is not None and not mma  # (D = 128)
     fma = fma_by_default(B * H, max_tokens_of(L), eligible)

@@ -157,4 +157,8 @@ def plan(name: str):
         vs = [("new", 2, dict(mma=True, num_splits=s)) for s in (1, 2, 3)]
         return [((B, L, 32, 32), vs) for B, L in [(141, 1152), (150, 1152), (150, 1280), (96, 1280), (96, 2304),
                                                    (256, 330)]]
+    if name == "mma4":  # 4-bit caches: the tensor-core kernel (BITS=4, kernel_mma_frag4.py) against the table
+        # kernel that ran them before (mma=False), on MMA_SHAPES and the engine's b and e widths
+        vs = [("new", 4, dict(mma=False)), ("new", 4, dict(mma=True))]
+        return [(shape, vs) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
     raise SystemExit(f"unknown plan {name}")

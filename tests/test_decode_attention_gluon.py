@@ -109,6 +109,31 @@ def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_cop
     check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
 
 
+# The same kernel over 4-bit caches (BITS=4, kernel_mma_frag4.py): its own key and value fragments, the ring in
+# the 4-bit channel order, 4-byte value copies only
+MMA4_CASES = [
+    Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 4, 4, dtype=torch.bfloat16, num_splits=3),
+    Case((700, 33, 129, 2000), 8, 1, 128, 4, 4, dtype=torch.float16, num_splits=5, page_size=256),
+    Case((900, 77, 5), 6, 2, 128, 4, 4, group_size=64, residual=192, dtype=torch.bfloat16),
+    Case((333, 290, 96), 14, 2, 128, 4, 4, page_size=64, dtype=torch.float16, num_splits=7),
+    Case((3000, 1), 4, 4, 128, 4, 4, dtype=torch.bfloat16, num_splits=1),
+    Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 4, 4, dtype=torch.bfloat16, scale_dtype=torch.float16,
+         num_splits=3),
+]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", MMA4_CASES, ids=lambda c: c.id)
+def test_mma_kernel_over_4bit_caches_matches_reference(case: Case):
+    check_against_reference(case, TOL[case.dtype], mma=True)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", [MMA4_CASES[i] for i in (0, 1)], ids=lambda c: c.id)
+def test_mma_kernel_over_4bit_caches_with_three_stages_and_a_whole_ring_split(case: Case):
+    check_against_reference(case, TOL[case.dtype], mma=True, num_stages=3, ring_units=0)
+
+
 # Rows whose ring splits share out in 32-slot chunks: more splits than units (idle splits), ring-only splits,
 # n_ring not a multiple of 32, and (G=64, L=705: the ring holds 65 tokens at slots [0, 65)) a split whose only
 # chunk is fully masked
@@ -183,6 +208,13 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     padded = torch.zeros(*args[3].shape[:3], 16, dtype=args[3].dtype)[..., :8]  # token rows 64 bytes apart
     ops_mma.launch_mma(q, *args[:3], padded, *args[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
     assert calls[-1][2]["V_COPY"] == 0  # 16-byte copies need each token's 8 words in a row
+    assert kw["BITS"] == 2
+    case4 = Case((300, 77, 1000), 8, 2, 128, 4, 4, dtype=torch.bfloat16)
+    q4, cache4, _ = make_inputs(case4)
+    args4 = [cache4[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
+                                 "block_table", "slots", "seq_lens")]
+    ops_mma.launch_mma(q4, *args4, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
+    assert calls[-1][2]["BITS"] == 4 and calls[-1][2]["V_COPY"] == 0  # 4-bit words: the 4-byte copies
     assert kw["RING_UNITS"] == ops_mma.MMA_RING_UNITS
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=0)
     assert calls[-1][2]["RING_UNITS"] == 0
@@ -208,8 +240,9 @@ def test_mma_eligibility_follows_the_kernels_limits():
 
     compiled = q.is_cuda and not common.interpreting() and ops_mma._decode_attention_mma_kernel is not None
     assert ops_mma.mma_eligible(q, pages, cache["k_res"], **ok) == compiled  # CPU tensors never are
-    for bad in (dict(k_bits=4), dict(v_bits=4), dict(qg=9), dict(group_size=128), dict(page_size=96),
-                dict(residual_length=48)):
+    assert ops_mma.mma_eligible(q, pages, cache["k_res"], **{**ok, "k_bits": 4, "v_bits": 4}) == compiled
+    for bad in (dict(k_bits=4), dict(v_bits=4), dict(k_bits=3, v_bits=3), dict(qg=9), dict(group_size=128),
+                dict(page_size=96), dict(residual_length=48)):
         assert not ops_mma.mma_eligible(q, pages, cache["k_res"], **{**ok, **bad}), bad
     assert not ops_mma.mma_eligible(q.float(), pages, cache["k_res"], **ok)  # fp32 queries take the FMA kernel
     assert ops_mma._blocks_aligned(pages[4]) and ops_mma._blocks_aligned(pages[5])

@@ -1,6 +1,6 @@
 """Version 14: decode attention over a 2-bit KIVI cache on the tensor cores (mma.sync m16n8k16), operand
-fragments built in registers, for query groups of 1 to 8 heads per KV head (GQA). Only @gluon.jit code; the
-launcher is ops_mma.launch_mma.
+fragments built in registers, for query groups of 1 to 8 heads per KV head (GQA); with BITS=4 the same over a
+4-bit cache (kernel_mma_frag4.py). Only @gluon.jit code; the launcher is ops_mma.launch_mma.
 
 One warp per (row, KV head, split); 64-token steps. Scales fold into the other operand, so codes enter the
 tensor cores as they are, with no dequantization:
@@ -49,7 +49,7 @@ def _query_operand(q_row, stride_q_h, QG: gl.constexpr, dtype: gl.constexpr):
 
 @gluon.jit
 def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, r0, r1, r2, r3,
-               stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr):
+               stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr, BITS: gl.constexpr):
     """One online-softmax step over ring slots [start, start + 32) (pointers at the row's slot and head): full
     precision keys and values on the same mma path, the value sums into r0..r3 (no code factor). Returns
     (m_i, l_i, alpha, r0, r1, r2, r3); the caller rescales its other sums by alpha."""
@@ -62,10 +62,10 @@ def _ring_step(q_a, kr_ptr, vr_ptr, start, nq_mod, n_res, qk_scale, m_i, l_i, r0
     p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
     alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
     p_t = gl.convert_layout(p.reshape([8, 32]).permute(1, 0).to(vr_ptr.dtype.element_ty), _OP_B)  # [32, 8]
-    r0 = mma_v2(_ring_values(vr_ptr, start, ok_s, 0, stride_res_t), p_t, r0 * alpha_c)
-    r1 = mma_v2(_ring_values(vr_ptr, start, ok_s, 1, stride_res_t), p_t, r1 * alpha_c)
-    r2 = mma_v2(_ring_values(vr_ptr, start, ok_s, 2, stride_res_t), p_t, r2 * alpha_c)
-    r3 = mma_v2(_ring_values(vr_ptr, start, ok_s, 3, stride_res_t), p_t, r3 * alpha_c)
+    r0 = mma_v2(_ring_values(vr_ptr, start, ok_s, 0, stride_res_t, BITS), p_t, r0 * alpha_c)
+    r1 = mma_v2(_ring_values(vr_ptr, start, ok_s, 1, stride_res_t, BITS), p_t, r1 * alpha_c)
+    r2 = mma_v2(_ring_values(vr_ptr, start, ok_s, 2, stride_res_t, BITS), p_t, r2 * alpha_c)
+    r3 = mma_v2(_ring_values(vr_ptr, start, ok_s, 3, stride_res_t, BITS), p_t, r3 * alpha_c)
     return m_i, l_i, alpha, r0, r1, r2, r3
 
 
@@ -83,7 +83,7 @@ def _decode_attention_mma_kernel(
     stride_bt_s,
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2,
+    STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2, BITS: gl.constexpr = 2,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
@@ -119,7 +119,7 @@ def _decode_attention_mma_kernel(
             q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h,
             (kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr),
             (stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h),
-            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY)
+            stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY, BITS)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
     r1 = r0
@@ -131,7 +131,8 @@ def _decode_attention_mma_kernel(
     ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
     for start in range(ring_lo, ring_hi, 32):
         m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res,
-                                                     qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL)
+                                                     qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL,
+                                                     BITS)
         alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
         acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
         z = z * alpha_c
@@ -139,10 +140,10 @@ def _decode_attention_mma_kernel(
     has_keys = l_i > 0.0
     inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), _COLS)[None, :]
     o_row = o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s
-    _store_chunk(o_row, acc0, z, r0, inv_l, 0, stride_o_h, QG, GROUP)
-    _store_chunk(o_row, acc1, z, r1, inv_l, 1, stride_o_h, QG, GROUP)
-    _store_chunk(o_row, acc2, z, r2, inv_l, 2, stride_o_h, QG, GROUP)
-    _store_chunk(o_row, acc3, z, r3, inv_l, 3, stride_o_h, QG, GROUP)
+    _store_chunk(o_row, acc0, z, r0, inv_l, 0, stride_o_h, QG, GROUP, BITS)
+    _store_chunk(o_row, acc1, z, r1, inv_l, 1, stride_o_h, QG, GROUP, BITS)
+    _store_chunk(o_row, acc2, z, r2, inv_l, 2, stride_o_h, QG, GROUP, BITS)
+    _store_chunk(o_row, acc3, z, r3, inv_l, 3, stride_o_h, QG, GROUP, BITS)
     if SPLIT:
         lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
         offs_h = gl.arange(0, 8, layout=_ROWS)
@@ -171,15 +172,23 @@ def _ring_share(lo, hi, n_packed, n_ring, SPLIT: gl.constexpr, RING_UNITS: gl.co
 
 
 @gluon.jit
-def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr, GROUP: gl.constexpr):
-    """Output channels 32 g + 4 r + i (accumulator row 8 i + r) of the QG heads; z [16, 8 h] holds the zeros'
-    share of group m % NG in row m."""
+def _store_chunk(o_row, acc, z, ring, inv_l, g: gl.constexpr, stride_o_h, QG: gl.constexpr, GROUP: gl.constexpr,
+                 BITS: gl.constexpr):
+    """Output channels 32 g + 4 r + i (accumulator row 8 i + r; at 4 bits 32 g + 16 (i // 2) + 8 (r // 4) +
+    2 (r % 4) + i % 2, kernel_mma_frag4.py) of the QG heads; z [16, 8 h] holds the zeros' share of group m % NG
+    in row m."""
     offs_rho = gl.arange(0, 32, layout=gl.SliceLayout(1, _MMA))
     offs_m = gl.arange(0, 16, layout=gl.SliceLayout(1, _MMA))
     offs_h = gl.arange(0, 8, layout=_COLS)
     z_g = gl.sum(gl.where((offs_m == (32 * g) // GROUP)[:, None], z, 0.0), axis=0)  # [8 h]
-    factor = 16777216.0 / (1 << (2 * (offs_rho // 8))).to(gl.float32)  # 2^24 / 4^i
+    i = offs_rho // 8
+    r = offs_rho % 8
+    if BITS == 2:
+        factor = 16777216.0 / (1 << (2 * i)).to(gl.float32)  # 2^24 / 4^i
+        chan = 32 * g + 4 * r + i
+    else:
+        factor = 16777216.0 / (1 << (4 * (i % 2))).to(gl.float32)  # 2^24 / 16^(i % 2)
+        chan = 32 * g + 16 * (i // 2) + 8 * (r // 4) + 2 * (r % 4) + i % 2
     out = (acc * factor[:, None] + z_g[None, :] + ring) * inv_l
-    chan = 32 * g + 4 * (offs_rho % 8) + offs_rho // 8
     ptrs = o_row + offs_h[None, :] * stride_o_h + chan[:, None]
     gl.store(ptrs, out.to(o_row.dtype.element_ty), mask=(offs_h < QG)[None, :] & (chan < 128)[:, None])

@@ -134,6 +134,13 @@ def _key_codes(kw):
     nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _KX)))[None, :, None]
     x3 = gl.where(nn >= 5, x[:, None, :] >> 10, x[:, None, :]).to(gl.int32, bitcast=True)  # [64, 8 nn, 8 r]
     mask3, x3 = gl.broadcast(0x00030003 << (2 * (nn % 5)), x3)
+    return _key_operand(x3, mask3)
+
+
+@gluon.jit
+def _key_operand(x3, mask3):
+    """B operand [128 kappa, 64 n] fp16 from words x3 [64 cp, 8 nn, 8 r] in _KX (int32) under masks mask3 that
+    keep code nn of each half: column n = 8 nn + r, kappa pairs 2 cp, 2 cp + 1 (the halves' two channels)."""
     xp = gl.convert_layout(gl.join(x3, x3).permute(0, 3, 1, 2).reshape([128, 64]), _OP_B, assert_trivial=True)
     mp = gl.convert_layout(gl.join(mask3, mask3).permute(0, 3, 1, 2).reshape([128, 64]), _OP_B,
                            assert_trivial=True)
@@ -176,6 +183,13 @@ def _value_codes(words):
     x = gl.convert_layout(x.reshape([8, 32]), gl.SliceLayout(0, _VX), assert_trivial=True)
     i = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, _VX)))[:, None, None]
     mask3, x3 = gl.broadcast(0x00030003 << (2 * i), x[None, :, :])
+    return _value_operand(x3, mask3)
+
+
+@gluon.jit
+def _value_operand(x3, mask3):
+    """A operand [32 rho, 64 k] fp16 from words x3 [4 i, 8 r, 32 kp] in _VX (int32) under masks mask3 that keep
+    code i: row rho = 8 i + r, column k = 2 kp + b (b: the pair's two tokens, the halves of each word)."""
     xp = gl.convert_layout(gl.join(x3, x3).reshape([32, 64]), _OP_A, assert_trivial=True)
     mp = gl.convert_layout(gl.join(mask3, mask3).reshape([32, 64]), _OP_A, assert_trivial=True)
     return _codes_f16(xp, mp)
@@ -232,13 +246,16 @@ def _ring_keys(kr_ptr, start, valid, stride_res_t: gl.constexpr):
 
 
 @gluon.jit
-def _ring_values(vr_ptr, start, valid, g: gl.constexpr, stride_res_t: gl.constexpr):
-    """A operand [32 rho, 32 k] of ring slots start + k for channels 32 g + 4 r + i (rho = 8 i + r), loaded 8
-    bytes at a time (zeros where not valid)."""
+def _ring_values(vr_ptr, start, valid, g: gl.constexpr, stride_res_t: gl.constexpr, BITS: gl.constexpr = 2):
+    """A operand [32 rho, 32 k] of ring slots start + k for channels 32 g + 4 r + i (rho = 8 i + r; with BITS=4 in
+    the packed values' order of kernel_mma_frag4.py), loaded 8 bytes at a time (zeros where not valid)."""
     offs_k = start + gl.arange(0, 32, layout=gl.SliceLayout(1, _RV))
     offs_c = 32 * g + gl.arange(0, 32, layout=gl.SliceLayout(0, _RV))
     ok = gl.convert_layout(valid, gl.SliceLayout(1, _RV))
     v = gl.load(vr_ptr + offs_k[:, None] * stride_res_t + offs_c[None, :], mask=ok[:, None] & (offs_c < 128)[None, :],
                 other=0.0)
-    v = v.reshape([32, 8, 4]).permute(2, 1, 0).reshape([32, 32])  # [rho = 8 i + r, k]
+    if BITS == 2:
+        v = v.reshape([32, 8, 4]).permute(2, 1, 0).reshape([32, 32])  # [rho = 8 i + r, k]: channel 4 r + i
+    else:  # channel 16 ih + 8 rh + 2 rl + ic -> rho = 16 ih + 8 ic + 4 rh + rl
+        v = v.reshape([32, 2, 2, 4, 2]).permute(1, 4, 2, 3, 0).reshape([32, 32])
     return gl.convert_layout(v, _OP_A)

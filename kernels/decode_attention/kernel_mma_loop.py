@@ -28,11 +28,12 @@ from .kernel_mma_frag import (
     _value_scale_chunks,
     _value_zeros,
 )
+from .kernel_mma_frag4 import _key_codes4, _value_codes4
 from .kernel_mma_stage import _allocate_stages, _issue_block, _value_words
 
 
 @gluon.jit
-def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
+def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale, BITS: gl.constexpr):
     """Masked scores [8 h, 8 nn, 8 j] (log2 domain) of a stage's 64 tokens (token 8 j + nn; n_valid of them are
     packed). q8 [8, 128] fp32 is the query times qk; q_a [16, 128] the raw query as an A operand."""
     # stage 1: key scales of each 32-token half folded into the query: the A operand [16 (half, h), 128]
@@ -44,7 +45,8 @@ def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
     else:
         a = gl.join((q8 * ks0[None, :]).to(gl.float16), (q8 * ks1[None, :]).to(gl.float16))
     a = gl.convert_layout(a.permute(2, 0, 1).reshape([16, 128]), _OP_A)
-    raw = mma_v2(a, _key_codes(kw), gl.zeros([16, 64], gl.float32, _MMA))
+    codes = _key_codes(kw) if BITS == 2 else _key_codes4(kw)
+    raw = mma_v2(a, codes, gl.zeros([16, 64], gl.float32, _MMA))
     # stage 2: the zeros' share, sum_c q k_zero, per head and half (column jj of the product: half jj // 4)
     bias = mma_v2(q_a, _key_zeros(kz), gl.zeros([16, 8], gl.float32, _MMA))
     bias, _ = gl.split(bias.reshape([2, 8, 8]).permute(1, 2, 0))
@@ -55,7 +57,10 @@ def _key_scores(q8, q_a, kw, ks, kz, n_valid, qk_scale):
     s1 = gl.convert_layout(s1, _S3)
     j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _S3)))[None, None, :]
     nn = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, _S3)))[None, :, None]
-    factor = 16777216.0 / (1 << (2 * (nn % 5))).to(gl.float32)  # 2^24 / 4^w
+    if BITS == 2:
+        factor = 16777216.0 / (1 << (2 * (nn % 5))).to(gl.float32)  # 2^24 / 4^w
+    else:
+        factor = 16777216.0 / (1 << (4 * (nn % 2))).to(gl.float32)  # 2^24 / 16^w
     s = gl.where(j < 4, s0, s1) * factor + bias[:, None, :]
     return gl.where(8 * j + nn < n_valid, s, float("-inf"))
 
@@ -74,7 +79,8 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
-def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_COPY: gl.constexpr):
+def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_COPY: gl.constexpr,
+                BITS: gl.constexpr):
     """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
     z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
     8 j + nn."""
@@ -83,64 +89,65 @@ def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.cons
     if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
         p_t = p_t.to(gl.float16)
     vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
-    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_COPY), acc0 * alpha_c)
-    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_COPY), acc1 * alpha_c)
-    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_COPY), acc2 * alpha_c)
-    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_COPY), acc3 * alpha_c)
+    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_COPY, BITS), acc0 * alpha_c, BITS)
+    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_COPY, BITS), acc1 * alpha_c, BITS)
+    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_COPY, BITS), acc2 * alpha_c, BITS)
+    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_COPY, BITS), acc3 * alpha_c, BITS)
     p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
     z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
     return acc0, acc1, acc2, acc3, z
 
 
 @gluon.jit
-def _value_chunk(p_t, vs, words, acc):
-    """acc [32, 8] + codes of one chunk (words [2, 64] its value words) x (p v_scale)^T; vs [8 nn, 8 j] its scales
-    (p_t fp16 with fp16 scales, else fp32)."""
+def _value_chunk(p_t, vs, words, acc, BITS: gl.constexpr):
+    """acc [32, 8] + codes of one chunk (words [BITS, 64] its value words) x (p v_scale)^T; vs [8 nn, 8 j] its
+    scales (p_t fp16 with fp16 scales, else fp32)."""
     if p_t.dtype == gl.float16:
         p_b, vs_b = gl.broadcast(p_t, vs[:, :, None])
         p_g = _hmul2(p_b, vs_b)
     else:
         p_g = (p_t * vs[:, :, None]).to(gl.float16)
     p_g = gl.convert_layout(p_g.reshape([64, 8]), _OP_B, assert_trivial=True)
-    return mma_v2(_value_codes(words), p_g, acc)
+    codes = _value_codes(words) if BITS == 2 else _value_codes4(words)
+    return mma_v2(codes, p_g, acc)
 
 
 @gluon.jit
 def _issue(stages, stage, blk, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w: gl.constexpr,
            stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr, stride_vs_t: gl.constexpr, GROUP: gl.constexpr,
-           PAGE: gl.constexpr, V_COPY: gl.constexpr):
+           PAGE: gl.constexpr, V_COPY: gl.constexpr, BITS: gl.constexpr):
     """cp.async of packed block blk into `stage` (stages, ptrs, strides: the loop's tuples)."""
     kw, ks, kz, vw, vs, vz = stages
     kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr = ptrs
     stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h = strides
     _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
                  n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
-                 stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY)
+                 stride_vs_h, stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY, BITS)
 
 
 @gluon.jit
 def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
                  stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
                  stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                 V_COPY: gl.constexpr):
+                 V_COPY: gl.constexpr, BITS: gl.constexpr):
     """Packed blocks lo .. n_end - 1 (n_end > lo) of KV head h: (m_i, l_i, acc0, acc1, acc2, acc3, z) after them.
     ptrs: (kc, ks, kz, vc, vs, vz) pointers; strides: their runtime page and head strides."""
     gl.static_assert(STAGES == 2 or STAGES == 3)
     NG: gl.constexpr = 128 // GROUP
-    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_COPY)
+    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_COPY, BITS)
     kw, ks, kz, vw, vs, vz = stages
     for pre in gl.static_range(STAGES - 1):
         _issue(stages, pre, lo + pre, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w, stride_ks_g, stride_vc_t,
-               stride_vs_t, GROUP, PAGE, V_COPY)
+               stride_vs_t, GROUP, PAGE, V_COPY, BITS)
     for blk in range(lo, n_end):
         st = (blk - lo) % STAGES
         # into the stage block blk - 1 was read from (its reads ended with that step's products)
         _issue(stages, (blk - lo + STAGES - 1) % STAGES, blk + STAGES - 1, ptrs, strides, n_end, nq, bt_row, h,
-               stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY)
+               stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY, BITS)
         cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
-        s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale)
+        s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale, BITS)
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
         acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
-                                                acc3, z, NG, V_COPY)
+                                                acc3, z, NG, V_COPY, BITS)
     cp.wait_group(0)
     return m_i, l_i, acc0, acc1, acc2, acc3, z

@@ -32,11 +32,13 @@ _async_load = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
 # copy layouts (one warp): 16-byte pieces along the contiguous dim
 _CP_KW = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))  # [4, 128] int32
 _CP_S = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0]))  # [2, 128] 16-bit
-_CP_VW = gl.constexpr(gl.BlockedLayout([2, 1], [1, 32], [1, 1], [0, 1]))  # [2 words, 64 tokens] int32
 # readers
 _RD_KW = gl.constexpr(gl.DistributedLinearLayout(  # [4 row, 128]: channel 32 m2 + 8 a + e
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]], lane_bases=[[0, 8], [0, 16], [0, 0], [1, 0], [2, 0]],
     warp_bases=[], block_bases=[], shape=[4, 128]))
+_RD_KW4 = gl.constexpr(gl.DistributedLinearLayout(  # 4-bit keys [8 row, 128]: lane r reads word row r
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[], block_bases=[], shape=[8, 128]))
 _RD_KS = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128], every r lane the same
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64], [1, 0]], lane_bases=[[0, 8], [0, 16], [0, 0], [0, 0], [0, 0]],
     warp_bases=[], block_bases=[], shape=[2, 128]))
@@ -46,6 +48,9 @@ _RD_KZ = gl.constexpr(gl.DistributedLinearLayout(  # [2 half, 128]: lane 16 pick
 _RD_VW = gl.constexpr(gl.DistributedLinearLayout(  # [2 rh, 64 tokens]: token 16 a + e, word 2 g + rh
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8]], lane_bases=[[0, 16], [0, 32], [0, 0], [0, 0], [1, 0]],
     warp_bases=[], block_bases=[], shape=[2, 64]))
+_RD_VW4 = gl.constexpr(gl.DistributedLinearLayout(  # 4-bit values [4 wq, 64 tokens]: word 4 g + 2 ih + rh
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [2, 0]], lane_bases=[[0, 16], [0, 32], [0, 0], [0, 0], [1, 0]],
+    warp_bases=[], block_bases=[], shape=[4, 64]))
 # (V_COPY 1) a stage [2 c, 16 rho, 16]: offsets in global order (w, c, u, rho), u ^= rho // 4
 _VW_SECTORS = gl.constexpr(gl.SharedLinearLayout(
     offset_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 4], [0, 8, 8]]))
@@ -68,15 +73,17 @@ _RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, V_COPY: gl.constexpr):
-    """STAGES stages of every buffer: (kw, ks, kz, vw, vs, vz), 6 KiB a stage."""
-    kw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, V_COPY: gl.constexpr,
+                     BITS: gl.constexpr = 2):
+    """STAGES stages of every buffer: (kw, ks, kz, vw, vs, vz), 6 KiB a stage at 2 bits, 10 KiB at 4."""
+    gl.static_assert(BITS == 2 or V_COPY == 0)  # 4-bit value words: the transposed copy only
+    kw = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * BITS, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     if V_COPY == 1:
         vw = gl.allocate_shared_memory(gl.int32, [STAGES, 2, 16, 16], _VW_SECTORS)
     else:
-        vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, 2, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+        vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, BITS, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     VS: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
     vs = gl.allocate_shared_memory(ks_ty, [STAGES, 4, 16 * NG], VS)
     vz = gl.allocate_shared_memory(ks_ty, [STAGES, 4, 16 * NG], VS)
@@ -87,18 +94,19 @@ def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr
 def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bt_row, h, blk,
                  n_end, nq, stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n,
                  stride_vs_h, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
-                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, V_COPY: gl.constexpr):
+                 stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, V_COPY: gl.constexpr,
+                 BITS: gl.constexpr = 2):
     """cp.async of packed block blk (KV head h) into `stage`, one commit group. Scales and zeros of tokens past
-    nq arrive as zeros (their rows may hold anything)."""
+    nq arrive as zeros (their rows may hold anything). BITS: 2 or 4 (codes per word 16 or 8)."""
     NG: gl.constexpr = 128 // GROUP
     page, off = _page_of(bt_row, blk, n_end, PAGE, 64)
     off = gl.multiple_of(off, 64)  # a block's first token in its page
     n_valid = nq - blk * 64
-    # key words [4 rows, 128]
-    offs_row = gl.arange(0, 4, layout=gl.SliceLayout(1, _CP_KW))
+    # key words [2 BITS rows, 128]
+    offs_row = gl.arange(0, 2 * BITS, layout=gl.SliceLayout(1, _CP_KW))
     offs_c = gl.arange(0, 128, layout=gl.SliceLayout(0, _CP_KW))
     kc_page = kc_ptr + page * stride_kc_n + h * stride_kc_h
-    _async_load(kw.index(stage), kc_page + (off // 16 + offs_row)[:, None] * stride_kc_w + offs_c[None, :])
+    _async_load(kw.index(stage), kc_page + (off // (32 // BITS) + offs_row)[:, None] * stride_kc_w + offs_c[None, :])
     # key scales and zeros of the two halves [2, 128]
     offs_half = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_S))
     offs_sc = gl.arange(0, 128, layout=gl.SliceLayout(0, _CP_S))
@@ -115,12 +123,13 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
         tok = off + 4 * offs_r[None, :, None] + (offs_col // 4)[None, None, :]
         _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * offs_c)[:, None, None]
                     + (offs_col % 4)[None, None, :])
-    else:  # transposed: [2 words, 64 tokens] for each 32-channel chunk g (words 2 g, 2 g + 1)
-        offs_w = gl.arange(0, 2, layout=gl.SliceLayout(1, _CP_VW))
-        offs_t = gl.arange(0, 64, layout=gl.SliceLayout(0, _CP_VW))
+    else:  # transposed: [BITS words, 64 tokens] for each 32-channel chunk g (words BITS g .. BITS g + BITS - 1)
+        CP_VW: gl.constexpr = gl.BlockedLayout([BITS, 1], [1, 32], [1, 1], [0, 1])
+        offs_w = gl.arange(0, BITS, layout=gl.SliceLayout(1, CP_VW))
+        offs_t = gl.arange(0, 64, layout=gl.SliceLayout(0, CP_VW))
         v_ptrs = vc_page + (off + offs_t)[None, :] * stride_vc_t + offs_w[:, None]
         for g in gl.static_range(4):
-            _async_load(vw.index(4 * stage + g), v_ptrs + 2 * g)
+            _async_load(vw.index(4 * stage + g), v_ptrs + BITS * g)
     # value scales and zeros [4, 16 NG]: row a holds tokens 16 a .. 16 a + 15
     CP_VS: gl.constexpr = gl.BlockedLayout([1, 2 * NG], [4, 8], [1, 1], [1, 0])  # no lane holds a copy twice
     offs_a = gl.arange(0, 4, layout=gl.SliceLayout(1, CP_VS))
@@ -136,8 +145,9 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
 
 
 @gluon.jit
-def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr):
-    """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW."""
+def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr, BITS: gl.constexpr = 2):
+    """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW; at 4 bits words 4 g .. 4 g + 3
+    as [4 wq, 64 tokens] in _RD_VW4."""
     if V_COPY == 1:
         x = vw.index(st).slice(g // 2, 1, dim=0).load(_RD_VSEC).reshape([16, 16])
         # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
@@ -146,5 +156,7 @@ def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr):
         w_even, w_odd = gl.split(x)  # words 2 (2 c) + rh and 2 (2 c + 1) + rh, token 16 a + e
         w = w_even if g % 2 == 0 else w_odd
         return gl.convert_layout(w, _RD_VW, assert_trivial=True)
+    elif BITS == 4:
+        return vw.index(4 * st + g).load(_RD_VW4)
     else:
         return vw.index(4 * st + g).load(_RD_VW)

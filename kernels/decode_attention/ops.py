@@ -129,11 +129,12 @@ def decode_attention(
     thread, which sets how many of its one-warp programs an SM holds), cp_async (the FMA kernel copies the next
     packed block's words into shared memory while it computes the current one; default: where the page
     tensors' strides allow it), magic (the FMA kernel's version 13 step, kernel_gluon_magic.py; default
-    ops_fma.FMA_MAGIC), mma (2-bit keys and values, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16,
-    on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in registers; the default where
-    eligible and large enough, ahead of fma; of the other knobs only num_splits, maxnreg, num_stages (its
-    cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed" or "sectors",
-    kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and ring_units (the weight of 32 ring
+    ops_fma.FMA_MAGIC), mma (2-bit or 4-bit keys and values, the same for both, 1 to 8 query heads per KV head,
+    head_dim 128, fp16 or bf16, on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in
+    registers; the default where eligible and large enough, ahead of fma; of the other knobs only num_splits,
+    maxnreg, num_stages (its cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed" or
+    "sectors", kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY; 4-bit words always "transposed") and
+    ring_units (the weight of 32 ring
     slots in the split count's work units, the ring then spread over splits; 0 gives the whole ring to one split;
     default ops_mma.MMA_RING_UNITS) apply).
     """
@@ -157,7 +158,8 @@ def decode_attention(
         mma = MMA_DEFAULT and untuned and fma_by_default(batch * kv_heads, max_tokens, mma_ok)
     if mma:
         if not mma_ok:
-            raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit keys and values, 1 to 8 query "
+            raise ValueError(f"{_OP}: mma needs a CUDA device (no interpreter), 2-bit or 4-bit keys and values (the "
+                             f"same for both), 1 to 8 query "
                              f"heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32 or 64 "
                              f"tokens, fp16 or bf16 for the query and ring alike (scales in it or fp16), and "
                              f"16-byte aligned page tensors; got k_bits={k_bits}, "

@@ -1,5 +1,6 @@
 """Launcher of version 14, the tensor-core decode-attention kernel with register-built fragments
-(kernel_mma.py): 2-bit caches, 1 to 8 query heads per KV head, head_dim 128, fp16 or bf16, on a GPU.
+(kernel_mma.py): 2-bit or 4-bit caches (the same for keys and values), 1 to 8 query heads per KV head,
+head_dim 128, fp16 or bf16, on a GPU.
 
 ops.decode_attention calls launch_mma by default where mma_eligible holds and the call is large enough
 (ops_fma.FMA_MIN_WORK); fp32 caches keep the FMA kernel. kernel_notes.md (version 14) has the measurements.
@@ -44,14 +45,15 @@ MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at lea
 
 def mma_eligible(q: torch.Tensor, pages: tuple[torch.Tensor, ...], k_res: torch.Tensor, k_bits: int,
                  v_bits: int, group_size: int, residual_length: int, page_size: int, qg: int) -> bool:
-    """Whether kernel_mma.py can run this call: compiled (not the interpreter), 2-bit keys and values, 1 to 8
+    """Whether kernel_mma.py can run this call: compiled (not the interpreter), 2-bit or 4-bit keys and values
+    (the same for both), 1 to 8
     query heads per KV head, head_dim 128, pages of whole 64-token steps, groups of 32 or 64 tokens (at 128 the
     2-byte value-scale rows did not compile into cp.async pieces), one 16-bit dtype for the query and the ring
     (the scales in it or in fp16), and page tensors (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) that
     cp.async can copy in 16-byte pieces."""
     k_scale = pages[1]
     return (_decode_attention_mma_kernel is not None and not C.interpreting() and q.is_cuda
-            and k_bits == v_bits == 2 and 1 <= qg <= 8 and q.shape[-1] == 128 and page_size % 64 == 0
+            and k_bits == v_bits and k_bits in (2, 4) and 1 <= qg <= 8 and q.shape[-1] == 128 and page_size % 64 == 0
             and group_size in (32, 64) and residual_length % 32 == 0
             and q.dtype in (torch.float16, torch.bfloat16) and k_res.dtype == q.dtype
             and k_scale.dtype in (q.dtype, torch.float16)
@@ -92,7 +94,8 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     stages = MMA_STAGES if stages is None else stages
     check_value_copy(value_copy)
     value_copy = MMA_VALUE_COPY if value_copy is None else value_copy
-    if v_codes.stride(2) != 8:  # the 16-byte copies need a block's words in a row
+    bits = 32 * k_codes.shape[2] // page_size  # k_codes [pages, H, page_size * bits / 32, D]
+    if bits != 2 or v_codes.stride(2) != 8:  # the 16-byte copies: a block's 2-bit words in a row
         value_copy = "transposed"
     C.check_int(_OP, "num_stages", stages, (2, 3))
     ring_units = MMA_RING_UNITS if ring_units is None else ring_units
@@ -104,6 +107,6 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
         QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
-        V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units,
+        V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits,
         num_warps=1, maxnreg=maxnreg,
     )
