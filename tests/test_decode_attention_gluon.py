@@ -215,6 +215,8 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
                                  "block_table", "slots", "seq_lens")]
     ops_mma.launch_mma(q4, *args4, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
     assert calls[-1][2]["BITS"] == 4 and calls[-1][2]["V_COPY"] == 0  # 4-bit words: the 4-byte copies
+    with pytest.raises(ValueError, match="2-bit or 4-bit keys and values alike"):  # 4-bit keys, 2-bit values
+        ops_mma.launch_mma(q4, *args4[:3], *args[3:], out, 128 ** -0.5, 32, 128, 128, 1, 1152)
     assert kw["RING_UNITS"] == ops_mma.MMA_RING_UNITS
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=0)
     assert calls[-1][2]["RING_UNITS"] == 0
@@ -270,6 +272,10 @@ def test_launcher_defaults_to_the_mma_kernel_for_large_16bit_calls(monkeypatch):
         run(decode_attention, case, q, cache, out=out)
         run(decode_attention, case, q, cache, out=out, fma=True)  # another path's knob
     assert chosen == ["mma", "fma", "mma", "fma"]
+    case4 = Case((300, 200), 8, 2, 128, 4, 4, dtype=torch.bfloat16)  # 4-bit caches take it too
+    q4, cache4, _ = make_inputs(case4)
+    run(decode_attention, case4, q4, cache4, out=torch.empty_like(q4))
+    assert chosen[-1] == "mma"
     with pytest.raises(ValueError, match="mma needs"):
         monkeypatch.setattr(ops, "mma_eligible", lambda *a, **k: False)
         run(decode_attention, case, q, cache, out=out, mma=True)

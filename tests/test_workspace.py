@@ -57,7 +57,8 @@ def test_out_of_memory_while_capturing_a_graph_rebuilds_and_completes(monkeypatc
     from pipeline.actors.engine import model_runner
     from tests.engine_cases import gpu_fp32_tokens, requests
 
-    reqs = requests([90, 300, 17], [20, 35, 12], seed=int(torch.randint(0, 1000, ())))
+    seed = int(torch.randint(0, 1000, ()))
+    reqs = requests([90, 300, 17], [20, 35, 12], seed=seed)
     expected, _ = gpu_fp32_tokens(reqs, max_batch_size=4)
     real_body, failures = model_runner.ModelRunner._decode_graph_body, []
 
@@ -70,5 +71,6 @@ def test_out_of_memory_while_capturing_a_graph_rebuilds_and_completes(monkeypatc
     monkeypatch.setattr(model_runner.ModelRunner, "_decode_graph_body", body)
     tokens, engine = gpu_fp32_tokens(reqs, max_batch_size=4)
     assert len(failures) == 1 and engine.stats()["oom_retries"] == 1  # the first (widest) graph failed
-    assert tokens == expected and len(engine.runner.graphs) == len(engine.runner.buckets) + len(
+    assert tokens == expected, f"seed {seed}"
+    assert len(engine.runner.graphs) == len(engine.runner.buckets) + len(
         model_runner.padded_widths(4))

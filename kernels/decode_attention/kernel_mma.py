@@ -10,8 +10,9 @@ tensor cores as they are, with no dequantization:
              out[h, c] = O^T[c, h] + sum_t v_zero[t, g(c)] p[h, t]                  (a third, small mma)
 A code becomes an fp16 by one AND: kept at mantissa bits 2 w, 2 w + 1 with a zero exponent it reads
 c 4^w 2^-24 (a subnormal, exact), and the factor 4^w 2^-24 is undone once per score column (keys) or output
-channel (values). An AND of a word pair merged by one PRMT gives two codes, i.e. one mma register. The other
-operands are fp16 too, for bf16 models as well: q qk k_scale per channel (a logit's share of one channel, far
+channel (values); 4-bit codes read c 16^w 2^-24 at bits 4 w .. 4 w + 3, w = 0, 1 (kernel_mma_frag4.py). An
+AND of a word pair merged by one PRMT gives two codes, i.e. one mma register. The other operands are fp16 too,
+for bf16 models as well: q qk k_scale per channel (a logit's share of one channel, far
 below fp16's 65,504 for real keys: k_scale is a third of the channel's range over 32 tokens) and p v_scale.
 
 Fragment layouts (NVMMA v2, one warp; lane = 4 r + a):
@@ -89,6 +90,7 @@ def _decode_attention_mma_kernel(
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
     dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp."""
     gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
+    gl.static_assert(BITS == 2 or BITS == 4)
     b = gl.program_id(0).to(gl.int64)
     h = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)

@@ -105,8 +105,8 @@ def _hmul2(x, y):
 
 @gluon.jit
 def _codes_f16(x, mask):
-    """fp16 pairs (code (lo) and code (hi) 4^w 2^-24) of x & mask; x, mask are int32 tensors whose pairs of
-    consecutive registers are equal (the operand's k pairs)."""
+    """fp16 pairs (code (lo) and code (hi) 4^w 2^-24, or 16^w 2^-24 for 4-bit codes) of x & mask; x, mask are
+    int32 tensors whose pairs of consecutive registers are equal (the operand's k pairs)."""
     return gl.inline_asm_elementwise("and.b32 $0, $1, $3;", "=r,r,r,r,r", [x, mask], dtype=gl.float16,
                                      is_pure=True, pack=2)
 

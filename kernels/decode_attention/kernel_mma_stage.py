@@ -3,14 +3,15 @@ scales and zeros arrive by cp.async while block blk's math runs (kernel_notes.md
 register prefetches). Only @gluon.jit code and layout constants.
 
 Each of the STAGES stages (2, or 3 for two blocks in flight) holds, for one 64-token block of one KV head:
-key words [4 rows, 128] (int32), key scales and zeros of the two 32-token halves [2, 128], value words, value
-scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each row one lane group's 16 tokens). The readers
-load each stage in a layout whose lanes match the operands' (kernel_mma_frag.py) and reshape in registers.
+key words [2 BITS rows, 128] (int32: 4 rows of 16 tokens at 2 bits, 8 of 8 at 4), key scales and zeros of the
+two 32-token halves [2, 128], value words, value scales and zeros [4, 16 NG] (the 64 x NG block in 4 rows, each
+row one lane group's 16 tokens). The readers load each stage in a layout whose lanes match the operands'
+(kernel_mma_frag.py, kernel_mma_frag4.py) and reshape in registers.
 
 Value words, two ways (V_COPY; kernel_notes.md, versions 15-20, for the two that came between):
-- 0, transposed [4 chunks, 2 words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16 consecutive
-  tokens of one word in 16-byte loads; the fallback where a token's 8 words are not contiguous. Each warp-wide
-  4-byte copy touches 32 sectors for 128 bytes.
+- 0, transposed [4 chunks, BITS words, 64 tokens] (version 15; the only copy at 4 bits): 4-byte copies, so
+  that a lane reads 16 consecutive tokens of one word in 16-byte loads; the fallback where a token's 8 words are
+  not contiguous. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes.
 - 1, sectors (version 20, the default): the block's 2 KiB copied as they lie in 16-byte pieces, each token's 32
   bytes (one global sector) kept 32 contiguous bytes in shared memory, as the key words' are: [2 halves c,
   16 rho, 16] through a SharedLinearLayout whose offsets run w, c, u, rho (global order; element (c, rho,

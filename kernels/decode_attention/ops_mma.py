@@ -84,8 +84,10 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
                maxnreg=None, stages=None, value_copy=None, ring_units=None) -> torch.Tensor:
     """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
-    memory a program instead of 12). value_copy: how value words reach shared memory, one of VALUE_COPIES
-    (MMA_VALUE_COPY by default; "transposed" where a token's 8 words are not contiguous). ring_units: the work
+    memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
+    and the split count, which assumes 8, is not adjusted). value_copy: how value words reach shared memory, one
+    of VALUE_COPIES (MMA_VALUE_COPY by default; "transposed" at 4 bits and where a 2-bit token's 8 words are not
+    contiguous). ring_units: the work
     units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default; 0: the whole ring
     to one split)."""
     batch, q_heads, _ = q.shape
@@ -95,6 +97,9 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     check_value_copy(value_copy)
     value_copy = MMA_VALUE_COPY if value_copy is None else value_copy
     bits = 32 * k_codes.shape[2] // page_size  # k_codes [pages, H, page_size * bits / 32, D]
+    if bits not in (2, 4) or v_codes.shape[3] * 32 != bits * q.shape[2]:
+        raise ValueError(f"{_OP}: launch_mma takes 2-bit or 4-bit keys and values alike; k_codes "
+                         f"{list(k_codes.shape)} (page_size {page_size}) and v_codes {list(v_codes.shape)} are not")
     if bits != 2 or v_codes.stride(2) != 8:  # the 16-byte copies: a block's 2-bit words in a row
         value_copy = "transposed"
     C.check_int(_OP, "num_stages", stages, (2, 3))
