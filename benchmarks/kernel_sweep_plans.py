@@ -161,4 +161,19 @@ def plan(name: str):
         # kernel that ran them before (mma=False), on MMA_SHAPES and the engine's b and e widths
         vs = [("new", 4, dict(mma=False)), ("new", 4, dict(mma=True))]
         return [(shape, vs) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
+    if name == "mma4-stages":  # 4-bit caches on the tensor-core kernel: two cp.async stages (the default) or three
+        # (two 10 KiB blocks in flight; 30 KiB a program, 7 an SM), the split count as the launcher picks it
+        # and, under a wave, three stages with the split count filling whole waves of 7
+        from kernel_sweep import max_tokens_of
+
+        from kernels.decode_attention.common import ONE_WARP_MAX_SPLITS, wave_splits
+
+        out = []
+        for B, L, Hq, H in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]:
+            vs = [("new", 4, dict(mma=True, num_stages=2)), ("new", 4, dict(mma=True, num_stages=3))]
+            if B * H < 7 * 132:
+                splits = wave_splits(B * H, max_tokens_of(L), 7 * 132, ONE_WARP_MAX_SPLITS)
+                vs.append(("new", 4, dict(mma=True, num_stages=3, num_splits=splits)))
+            out.append(((B, L, Hq, H), vs))
+        return out
     raise SystemExit(f"unknown plan {name}")

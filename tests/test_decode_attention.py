@@ -151,6 +151,29 @@ def test_wave_splits_fill_whole_waves():
         assert not any(fits(s) for s in range(1, splits)), seed
 
 
+@pytest.mark.parametrize("num_splits,head_dim", [(2, 128), (5, 64), (40, 128), (126, 128)])
+def test_merge_splits_matches_a_log_sum_exp_merge(num_splits, head_dim):
+    """common.merge_splits on random partials and base-2 log-sum-exps (some splits empty: -inf, and one row with
+    every split empty: zeros), on its grid of channel blocks (16 channels a program from 128 splits), into a
+    NaN-poisoned output, against the same merge in torch."""
+    from kernels.decode_attention.common import merge_splits
+
+    gen = torch.Generator(device="cpu").manual_seed(torch.seed() % 2**31)
+    b, hq = 3, 4
+    ws_o = torch.randn(b, hq, num_splits, head_dim, generator=gen).to(DEVICE)
+    ws_lse = (4 * torch.randn(b, hq, num_splits, generator=gen)).to(DEVICE)
+    ws_lse[torch.rand(b, hq, num_splits, generator=gen).to(DEVICE) < 0.3] = -math.inf
+    ws_lse[1, 2] = -math.inf
+    out = torch.full((b, hq, head_dim), math.nan, dtype=torch.bfloat16, device=DEVICE)
+    merge_splits(ws_o, ws_lse, out)
+    m = ws_lse.amax(-1, keepdim=True)
+    w = torch.exp2(ws_lse - torch.where(m == -math.inf, 0.0, m))  # [B, Hq, S]
+    denom = w.sum(-1, keepdim=True)
+    expected = (ws_o * w[..., None]).sum(-2) / torch.where(denom > 0, denom, 1.0)
+    assert_close(out, expected, 2e-2, f"merge of {num_splits} splits, D={head_dim}")
+    assert (out[1, 2] == 0).all()
+
+
 def test_kernels_compile_for_h200():
     from kernels.decode_attention import ops_fma, ops_mma
     from tests.compile_util import compile_for_sm90_many
@@ -225,5 +248,8 @@ def test_kernels_compile_for_h200():
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
+    specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
+                  dict(NUM_SPLITS=126, SPLITS_PAD=128, HEAD_DIM=128, BLOCK_D=16, WAIT_PRIOR=True),
+                  dict(num_warps=2, launch_pdl=True)))  # the programmatic dependent of a split call
     for result in compile_for_sm90_many(specs):
         assert result["cubin_bytes"] > 0, result

@@ -13,6 +13,7 @@ from tests.decode_attention_cases import (
     DEVICE,
     TOL,
     Case,
+    assert_close,
     check_against_reference,
     make_inputs,
     record_launches,
@@ -107,6 +108,29 @@ def test_mma_kernel_with_each_value_copy_matches_reference(case: Case, value_cop
     """Each way the value words reach shared memory: version 15's 4-byte transposed copies and version 20's
     16-byte pieces in global order (kernel_mma_stage.py)."""
     check_against_reference(case, TOL[case.dtype], mma=True, value_copy=value_copy)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("num_splits", [3, 126])
+def test_split_calls_replayed_from_a_cuda_graph_match_the_reference(num_splits: int):
+    """A split call captured in a CUDA graph, as the engine runs it: on sm_90 the merge is a programmatic
+    dependent of the split kernel (common.merge_splits), a graph edge that must still order its reads after the
+    kernel's writes. Replayed over fresh queries into a NaN-poisoned output; 126 splits leave some empty."""
+    case = Case((3000, 161, 0, 700), 8, 2, 128, 2, 2, dtype=torch.bfloat16, num_splits=num_splits)
+    q, cache, _ = make_inputs(case)
+    out = torch.empty_like(q)
+    run(decode_attention, case, q, cache, out=out, num_splits=num_splits, mma=True)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(decode_attention, case, q, cache, out=out, num_splits=num_splits, mma=True)
+    gen = torch.Generator(device=DEVICE).manual_seed(torch.seed() % 2**31)
+    for replay in range(3):
+        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE, dtype=q.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = run(reference.decode_attention, case, q, cache)
+        assert_close(out, expected, TOL[case.dtype], f"{case.id}, replay {replay}")
 
 
 # The same kernel over 4-bit caches (BITS=4, kernel_mma_frag4.py): its own key and value fragments, the ring in

@@ -13,6 +13,7 @@ use exp2; every log-sum-exp in the workspace is a base-2 one.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -110,21 +111,27 @@ def _store_partial(
 def _merge_splits_kernel(
     ws_o_ptr, ws_lse_ptr, o_ptr,
     stride_ws_b, stride_ws_h, stride_ws_s, stride_lse_b, stride_lse_h, stride_o_b, stride_o_h,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr = 0,
+    WAIT_PRIOR: tl.constexpr = False,
 ):
-    """grid (B, Hq): out[b, h] = sum_s 2**(lse_s - M) o_s / sum_s 2**(lse_s - M); zeros if all splits empty."""
+    """grid (B, Hq, HEAD_DIM // BLOCK_D): channels [d0, d0 + BLOCK_D) of out[b, h] = sum_s 2**(lse_s - M) o_s /
+    sum_s 2**(lse_s - M); zeros if all splits empty. BLOCK_D 0 means HEAD_DIM. WAIT_PRIOR: launched as a
+    programmatic dependent of the split kernel (sm_90), so wait for its writes before reading them."""
     tl.static_assert(SPLITS_PAD >= NUM_SPLITS)
+    if WAIT_PRIOR:
+        gdc_wait()
+    BLOCK: tl.constexpr = HEAD_DIM if BLOCK_D == 0 else BLOCK_D
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     s_mask = offs_s < NUM_SPLITS
     # weights of the splits
     lse = tl.load(ws_lse_ptr + b * stride_lse_b + h * stride_lse_h + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     denom = tl.sum(w, axis=0)
-    # weighted sum of the normalized partial outputs
+    # weighted sum of the normalized partial outputs, this program's channels
     o_ptrs = ws_o_ptr + b * stride_ws_b + h * stride_ws_h + offs_s[:, None] * stride_ws_s + offs_d[None, :]
     parts = tl.load(o_ptrs, mask=s_mask[:, None], other=0.0)
     out = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)

@@ -144,16 +144,36 @@ def output_args(out: torch.Tensor, num_splits: int):
     return ws_o, ws_lse, strides, (ws_o, ws_lse)
 
 
+MERGE_ELEMENTS = 2048  # partial-output elements a merge program reads (32 a thread at 2 warps)
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm_90 and newer, compiled only): a kernel so launched may start while
+    the one before it finishes, and waits (griddepcontrol.wait) before reading what that one wrote."""
+    return device.type == "cuda" and not interpreting() and _pdl_capable(device.index or 0)
+
+
 def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Second pass: out[b, h] from the NUM_SPLITS partials of the workspace."""
+    """Second pass: out[b, h] from the NUM_SPLITS partials of the workspace, on grid (B, Hq, D / BLOCK_D) with
+    BLOCK_D channels a program (fewer as the splits grow: at 126 splits of a B=1 row a program per 16
+    channels, not one program reading 64 KiB per head), launched as a programmatic dependent where it can."""
     b, hq, num_splits, d = ws_o.shape
-    _merge_splits_kernel[(b, hq)](
+    splits_pad = triton_next_pow2(num_splits)
+    block_d = min(d, max(16, MERGE_ELEMENTS // splits_pad))
+    pdl = programmatic_launch(out.device)
+    extra = dict(launch_pdl=True) if pdl else {}
+    _merge_splits_kernel[(b, hq, d // block_d)](
         ws_o, ws_lse, out,
         stride_ws_b=ws_o.stride(0), stride_ws_h=ws_o.stride(1), stride_ws_s=ws_o.stride(2),
         stride_lse_b=ws_lse.stride(0), stride_lse_h=ws_lse.stride(1),
         stride_o_b=out.stride(0), stride_o_h=out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton_next_pow2(num_splits), HEAD_DIM=d,
-        num_warps=1 if d <= 64 else 2,
+        NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, HEAD_DIM=d, BLOCK_D=block_d, WAIT_PRIOR=pdl,
+        num_warps=1 if block_d * splits_pad <= 1024 else 2, **extra,
     )
 
 

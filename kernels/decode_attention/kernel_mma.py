@@ -35,7 +35,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .kernel_gluon_step import _work_range
-from .kernel_mma_frag import _COLS, _MMA, _OP_A, _OP_B, _Q8, _ROWS, _S3_RING, _perm_channel, _ring_keys, _ring_values
+from .kernel_mma_frag import (
+    _COLS,
+    _MMA,
+    _OP_A,
+    _OP_B,
+    _Q8,
+    _ROWS,
+    _S3_RING,
+    _launch_dependents,
+    _perm_channel,
+    _ring_keys,
+    _ring_values,
+)
 from .kernel_mma_loop import _online_softmax, _packed_loop
 
 
@@ -94,6 +106,8 @@ def _decode_attention_mma_kernel(
     b = gl.program_id(0).to(gl.int64)
     h = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
+    if SPLIT:  # the merge may launch now and wait at its start (common.merge_splits)
+        split = _launch_dependents(split)
     # stage 0: this row's token ranges and this split's work units
     slot, nq, n_res, n_packed, n_ring, lo, hi = _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP,
                                                             RESIDUAL, 64, RING_UNITS)

@@ -97,6 +97,15 @@ def _prmt(x, y, sel):
 
 
 @gluon.jit
+def _launch_dependents(x):
+    """griddepcontrol.launch_dependents (sm_90): the split merge, launched as a programmatic dependent, may
+    start once every program of this grid has passed here (it waits for their writes before reading); a no-op
+    for a kernel launched otherwise. Returns x (an int32 scalar) so the instruction has an operand."""
+    return gl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n mov.b32 $0, $1;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _hmul2(x, y):
     """x * y of fp16 tensors, two elements per instruction (consecutive registers pair up)."""
     return gl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=gl.float16,
