@@ -225,7 +225,7 @@ def test_kernels_compile_for_h200():
 
     mma_consts = dict(gluon_consts, QG=4)
     mma_aligned = [a for a in _decode_attention_mma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
-    specs.append((_decode_attention_mma_kernel, gluon_ptrs, mma_consts,
+    specs.append((_decode_attention_mma_kernel, gluon_ptrs, dict(mma_consts, PDL=True),  # a split call on sm_90
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     s16_ptrs = dict(gluon_ptrs, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
     specs.append((_decode_attention_mma_kernel, s16_ptrs, mma_consts,  # bf16 query and ring, fp16 scales

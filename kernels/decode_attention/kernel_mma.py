@@ -97,16 +97,18 @@ def _decode_attention_mma_kernel(
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2, BITS: gl.constexpr = 2,
+    PDL: gl.constexpr = False,
 ):
     """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
-    dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp."""
+    dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp. PDL (sm_90 and newer, split calls): let the
+    merge, a programmatic dependent, launch at once (common.merge_splits)."""
     gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
     gl.static_assert(BITS == 2 or BITS == 4)
     b = gl.program_id(0).to(gl.int64)
     h = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
-    if SPLIT:  # the merge may launch now and wait at its start (common.merge_splits)
+    if PDL:  # the merge may launch now and wait at its start (common.merge_splits)
         split = _launch_dependents(split)
     # stage 0: this row's token ranges and this split's work units
     slot, nq, n_res, n_packed, n_ring, lo, hi = _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP,

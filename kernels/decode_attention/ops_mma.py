@@ -113,5 +113,6 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
         QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
         V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits,
+        PDL=num_splits > 1 and C.programmatic_launch(q.device),
         num_warps=1, maxnreg=maxnreg,
     )
