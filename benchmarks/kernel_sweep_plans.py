@@ -176,4 +176,8 @@ def plan(name: str):
                 vs.append(("new", 4, dict(mma=True, num_stages=3, num_splits=splits)))
             out.append(((B, L, Hq, H), vs))
         return out
+    if name == "mma4-sectors":  # 4-bit value words: version 22's 4-byte transposed copy against 16-byte pieces
+        # as they lie (version 24, the 2-bit default's layout with a second chunk bit)
+        vs = [("new", 4, dict(mma=True, value_copy="transposed")), ("new", 4, dict(mma=True, value_copy="sectors"))]
+        return [(shape, vs + vs[:1]) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
     raise SystemExit(f"unknown plan {name}")

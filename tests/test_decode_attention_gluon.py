@@ -134,7 +134,7 @@ def test_split_calls_replayed_from_a_cuda_graph_match_the_reference(num_splits: 
 
 
 # The same kernel over 4-bit caches (BITS=4, kernel_mma_frag4.py): its own key and value fragments, the ring in
-# the 4-bit channel order, 4-byte value copies only
+# the 4-bit channel order, the default value copy (16-byte pieces, version 24) and the transposed one
 MMA4_CASES = [
     Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 4, 4, dtype=torch.bfloat16, num_splits=3),
     Case((700, 33, 129, 2000), 8, 1, 128, 4, 4, dtype=torch.float16, num_splits=5, page_size=256),
@@ -150,6 +150,13 @@ MMA4_CASES = [
 @pytest.mark.parametrize("case", MMA4_CASES, ids=lambda c: c.id)
 def test_mma_kernel_over_4bit_caches_matches_reference(case: Case):
     check_against_reference(case, TOL[case.dtype], mma=True)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("case", [MMA4_CASES[i] for i in (0, 1, 3)], ids=lambda c: c.id)
+def test_mma_kernel_over_4bit_caches_with_the_transposed_copy(case: Case):
+    """Version 22's 4-byte copies of 4-bit value words, the fallback where a token's words are not in a row."""
+    check_against_reference(case, TOL[case.dtype], mma=True, value_copy="transposed")
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
@@ -237,8 +244,12 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     q4, cache4, _ = make_inputs(case4)
     args4 = [cache4[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res",
                                  "block_table", "slots", "seq_lens")]
-    ops_mma.launch_mma(q4, *args4, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")
-    assert calls[-1][2]["BITS"] == 4 and calls[-1][2]["V_COPY"] == 0  # 4-bit words: the 4-byte copies
+    ops_mma.launch_mma(q4, *args4, out, 128 ** -0.5, 32, 128, 128, 1, 1152)
+    assert calls[-1][2]["BITS"] == 4 and calls[-1][2]["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
+    padded4 = torch.zeros(*args4[3].shape[:3], 32, dtype=args4[3].dtype)[..., :16]  # token rows 128 bytes apart
+    ops_mma.launch_mma(q4, *args4[:3], padded4, *args4[4:], out, 128 ** -0.5, 32, 128, 128, 1, 1152,
+                       value_copy="sectors")
+    assert calls[-1][2]["V_COPY"] == 0  # a 4-bit token's 16 words not in a row: the 4-byte copies
     with pytest.raises(ValueError, match="2-bit or 4-bit keys and values alike"):  # 4-bit keys, 2-bit values
         ops_mma.launch_mma(q4, *args4[:3], *args[3:], out, 128 ** -0.5, 32, 128, 128, 1, 1152)
     assert kw["RING_UNITS"] == ops_mma.MMA_RING_UNITS

@@ -9,16 +9,18 @@ row one lane group's 16 tokens). The readers load each stage in a layout whose l
 (kernel_mma_frag.py, kernel_mma_frag4.py) and reshape in registers.
 
 Value words, two ways (V_COPY; kernel_notes.md, versions 15-20, for the two that came between):
-- 0, transposed [4 chunks, BITS words, 64 tokens] (version 15; the only copy at 4 bits): 4-byte copies, so
-  that a lane reads 16 consecutive tokens of one word in 16-byte loads; the fallback where a token's 8 words are
-  not contiguous. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes.
+- 0, transposed [4 chunks, BITS words, 64 tokens] (version 15): 4-byte copies, so that a lane reads 16
+  consecutive tokens of one word in 16-byte loads; the fallback where a token's 4 BITS words are not
+  contiguous. Each warp-wide 4-byte copy touches 32 sectors for 128 bytes.
 - 1, sectors (version 20, the default): the block's 2 KiB copied as they lie in 16-byte pieces, each token's 32
   bytes (one global sector) kept 32 contiguous bytes in shared memory, as the key words' are: [2 halves c,
   16 rho, 16] through a SharedLinearLayout whose offsets run w, c, u, rho (global order; element (c, rho,
   4 u + w) is token 4 rho + u, word 4 c + w), 32-byte units swizzled by rho // 4 so that the reader's 4-byte
   loads (16 tokens of one word a lane, lanes 16 tokens apart) hit distinct banks. Versions 17 and 19 split a
   token's sector in two in shared memory, and LDGSTS then asked for the sector once per lane (1.3x the
-  kernel's ideal global sectors); here ncu counts 1.015x.
+  kernel's ideal global sectors); here ncu counts 1.015x. At 4 bits (version 24) a token's 16 words are two
+  sectors: [4 c, 16 rho, 16] with c's low bit where the 2-bit layout has c and its high bit above rho, so each
+  sector stays 32 contiguous bytes and a chunk c is still one slice.
 """
 
 from triton.experimental import gluon
@@ -55,6 +57,11 @@ _RD_VW4 = gl.constexpr(gl.DistributedLinearLayout(  # 4-bit values [4 wq, 64 tok
 # (V_COPY 1) a stage [2 c, 16 rho, 16]: offsets in global order (w, c, u, rho), u ^= rho // 4
 _VW_SECTORS = gl.constexpr(gl.SharedLinearLayout(
     offset_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 4], [0, 8, 8]]))
+# at 4 bits [4 c, 16 rho, 16]: offsets (w, c % 2, u, rho, c // 2), u ^= rho // 4 (element (c, rho, 4 u + w) is
+# token 4 rho + u, word 4 c + w: a sector's two 16-byte pieces c = 2 k, 2 k + 1 side by side)
+_VW_SECTORS4 = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 4], [0, 8, 8],
+                  [2, 0, 0]]))
 _RD_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # [1, 16, 16]: one half, lanes as _RD_VN's
     reg_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 0, 2]], lane_bases=[[0, 4, 0], [0, 8, 0], [0, 0, 0],
                                                                                   [0, 0, 0], [0, 0, 1]],
@@ -63,6 +70,10 @@ _CP_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # lanes in address order: l
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 4, 0], [0, 8, 0]], lane_bases=[[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0],
                                                                        [0, 2, 0]],
     warp_bases=[], block_bases=[], shape=[2, 16, 16]))
+_CP_VSEC4 = gl.constexpr(gl.DistributedLinearLayout(  # 4 bits: lane 8 rho' + 4 u + c, 512 bytes in a row
+    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 2, 0], [0, 4, 0], [0, 8, 0]], lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 4],
+                                                                                  [0, 0, 8], [0, 1, 0]],
+    warp_bases=[], block_bases=[], shape=[4, 16, 16]))
 # a half as [16 rho, 16] in the reader's lanes: lane (a, rh) holds words rh and 2 + rh of tokens 16 a + e
 _RD_VN = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [0, 2]], lane_bases=[[4, 0], [8, 0], [0, 0], [0, 0], [0, 1]],
@@ -77,11 +88,12 @@ _RD_VS1, _RD_VS2, _RD_VS4 = (gl.constexpr(gl.DistributedLinearLayout(
 def _allocate_stages(ks_ty: gl.constexpr, NG: gl.constexpr, STAGES: gl.constexpr, V_COPY: gl.constexpr,
                      BITS: gl.constexpr = 2):
     """STAGES stages of every buffer: (kw, ks, kz, vw, vs, vz), 6 KiB a stage at 2 bits, 10 KiB at 4."""
-    gl.static_assert(BITS == 2 or V_COPY == 0)  # 4-bit value words: the transposed copy only
     kw = gl.allocate_shared_memory(gl.int32, [STAGES, 2 * BITS, 128], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     ks = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     kz = gl.allocate_shared_memory(ks_ty, [STAGES, 2, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    if V_COPY == 1:
+    if V_COPY == 1 and BITS == 4:
+        vw = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, 16], _VW_SECTORS4)
+    elif V_COPY == 1:
         vw = gl.allocate_shared_memory(gl.int32, [STAGES, 2, 16, 16], _VW_SECTORS)
     else:
         vw = gl.allocate_shared_memory(gl.int32, [4 * STAGES, BITS, 64], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
@@ -117,10 +129,11 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
     _async_load(kz.index(stage), kz_ptr + s_offs + offs_sc[None, :], mask=s_mask)
     vc_page = vc_ptr + page * stride_vc_n + h * stride_vc_h
     if V_COPY == 1:  # element (c, rho, 4 u + w) is token 4 rho + u, word 4 c + w
-        gl.static_assert(stride_vc_t == 8)  # 128 channels at 2 bits: a block's words are 2 KiB in a row
-        offs_c = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CP_VSEC)))
-        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CP_VSEC)))
-        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CP_VSEC)))
+        gl.static_assert(stride_vc_t == 4 * BITS)  # 128 channels: a block's words are 2 or 4 KiB in a row
+        CP_VSEC: gl.constexpr = _CP_VSEC if BITS == 2 else _CP_VSEC4
+        offs_c = gl.arange(0, BITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP_VSEC)))
+        offs_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP_VSEC)))
+        offs_col = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP_VSEC)))
         tok = off + 4 * offs_r[None, :, None] + (offs_col // 4)[None, None, :]
         _async_load(vw.index(stage), vc_page + tok * stride_vc_t + (4 * offs_c)[:, None, None]
                     + (offs_col % 4)[None, None, :])
@@ -149,7 +162,13 @@ def _issue_block(kw, ks, kz, vw, vs, vz, stage, kc_ptr, ks_ptr, kz_ptr, vc_ptr, 
 def _value_words(vw, st, g: gl.constexpr, V_COPY: gl.constexpr, BITS: gl.constexpr = 2):
     """Words 2 g, 2 g + 1 of stage st's 64 tokens as [2 rh, 64 tokens] in _RD_VW; at 4 bits words 4 g .. 4 g + 3
     as [4 wq, 64 tokens] in _RD_VW4."""
-    if V_COPY == 1:
+    if V_COPY == 1 and BITS == 4:
+        x = vw.index(st).slice(g, 1, dim=0).load(_RD_VSEC).reshape([16, 16])
+        # [16 rho, 16 (4 u + w)] -> [4 w, 64 (4 rho + u)]: bits (r3 r2 r1 r0 u1 u0 w1 w0) -> (w1 w0 r3 .. r0 u1 u0)
+        x = gl.convert_layout(x, _RD_VN, assert_trivial=True)
+        x = x.reshape([2, 2, 2, 2, 2, 2, 2, 2]).permute(6, 7, 0, 1, 2, 3, 4, 5).reshape([4, 64])
+        return gl.convert_layout(x, _RD_VW4, assert_trivial=True)
+    elif V_COPY == 1:
         x = vw.index(st).slice(g // 2, 1, dim=0).load(_RD_VSEC).reshape([16, 16])
         # [16 rho, 16]: (a1 a0 e3 e2), (e1 e0 j rh)
         x = gl.convert_layout(x, _RD_VN, assert_trivial=True)

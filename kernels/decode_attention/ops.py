@@ -133,7 +133,7 @@ def decode_attention(
     head_dim 128, fp16 or bf16, on a GPU: the tensor-core kernel of kernel_mma.py, whose fragments are built in
     registers; the default where eligible and large enough, ahead of fma; of the other knobs only num_splits,
     maxnreg, num_stages (its cp.async stages, 2 or 3), value_copy (how it copies value words: "transposed" or
-    "sectors", kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY; 4-bit words always "transposed") and
+    "sectors", kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and
     ring_units (the weight of 32 ring
     slots in the split count's work units, the ring then spread over splits; 0 gives the whole ring to one split;
     default ops_mma.MMA_RING_UNITS) apply).

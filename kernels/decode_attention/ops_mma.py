@@ -31,8 +31,9 @@ MMA_RESIDENT: int | None = 8
 MMA_STAGES = 2  # cp.async stages of the packed loop (3, two blocks in flight, was 0-5% slower: -sweep-stages.json)
 # how the value words reach shared memory (kernel_mma_stage.py): "transposed" (version 15, 4-byte copies; the
 # fallback where a token's words are not contiguous) or "sectors" (version 20, 16-byte copies as they lie, each
-# token's 32 bytes kept together). Versions 17 and 19 ("halves", "rows") were removed once 20 was measured:
-# 0.96-1.00x of 19's time on 20 of 21 rows over 16 shapes (kernels-20261130-h200-sweep-sectors*.json)
+# token's 32-byte sectors kept together; at 4 bits since version 24: 1.46-1.84x the transposed copy there,
+# kernels-20261130-h200-sweep-mma4-sectors.json). Versions 17 and 19 ("halves", "rows") were removed once 20 was
+# measured: 0.96-1.00x of 19's time on 20 of 21 rows over 16 shapes (kernels-20261130-h200-sweep-sectors*.json)
 VALUE_COPIES = {"transposed": 0, "sectors": 1}
 MMA_VALUE_COPY = "sectors"
 # work units of a 32-slot chunk of the full-precision ring when splits share out a row (a packed 64-token block
@@ -86,10 +87,9 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
     and the split count, which assumes 8, is not adjusted). value_copy: how value words reach shared memory, one
-    of VALUE_COPIES (MMA_VALUE_COPY by default; "transposed" at 4 bits and where a 2-bit token's 8 words are not
-    contiguous). ring_units: the work
-    units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default; 0: the whole ring
-    to one split)."""
+    of VALUE_COPIES (MMA_VALUE_COPY by default; "transposed" where a token's 4 * bits words are not contiguous).
+    ring_units: the work units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default;
+    0: the whole ring to one split)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -100,7 +100,7 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     if bits not in (2, 4) or v_codes.shape[3] * 32 != bits * q.shape[2]:
         raise ValueError(f"{_OP}: launch_mma takes 2-bit or 4-bit keys and values alike; k_codes "
                          f"{list(k_codes.shape)} (page_size {page_size}) and v_codes {list(v_codes.shape)} are not")
-    if bits != 2 or v_codes.stride(2) != 8:  # the 16-byte copies: a block's 2-bit words in a row
+    if v_codes.stride(2) != 4 * bits:  # the 16-byte copies: a block's words in a row
         value_copy = "transposed"
     C.check_int(_OP, "num_stages", stages, (2, 3))
     ring_units = MMA_RING_UNITS if ring_units is None else ring_units
