@@ -5,6 +5,8 @@ defaults, bad input), which runs on the CPU with a recorded launch.
 """
 
 # TRITON_INTERPRET is set on machines without a GPU by conftest.py, before any kernel module loads
+import random
+
 import pytest
 import torch
 
@@ -124,13 +126,14 @@ def test_split_calls_replayed_from_a_cuda_graph_match_the_reference(num_splits: 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run(decode_attention, case, q, cache, out=out, num_splits=num_splits, mma=True)
-    gen = torch.Generator(device=DEVICE).manual_seed(torch.seed() % 2**31)
+    seed = random.randrange(2**31)  # fresh each run, named on failure
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     for replay in range(3):
         q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE, dtype=q.dtype))
         out.fill_(float("nan"))
         graph.replay()
         expected = run(reference.decode_attention, case, q, cache)
-        assert_close(out, expected, TOL[case.dtype], f"{case.id}, replay {replay}")
+        assert_close(out, expected, TOL[case.dtype], f"{case.id}, replay {replay}, seed {seed}")
 
 
 # The same kernel over 4-bit caches (BITS=4, kernel_mma_frag4.py): its own key and value fragments, the ring in
@@ -229,6 +232,18 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
     assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
     assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
+    assert kw["PDL"] is (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)  # split calls, sm_90+
+    merges = record_launches(monkeypatch, ops_mma.C, "_merge_splits_kernel")
+    monkeypatch.setattr(ops_mma.C, "programmatic_launch", lambda device: True)  # as on sm_90+
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 3, 1152)
+    assert calls[-1][2]["PDL"] is True  # a split call lets its merge launch early, and the merge waits
+    assert merges[-1][2]["launch_pdl"] is True and merges[-1][2]["WAIT_PRIOR"] is True
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152)
+    assert calls[-1][2]["PDL"] is False and len(merges) == 1  # no merge follows an unsplit call
+    monkeypatch.setattr(ops_mma.C, "programmatic_launch", lambda device: False)  # below sm_90, or not compiled
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 3, 1152)
+    assert calls[-1][2]["PDL"] is False
+    assert "launch_pdl" not in merges[-1][2] and merges[-1][2]["WAIT_PRIOR"] is False
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=3, value_copy="transposed")
     assert calls[-1][2]["STAGES"] == 3 and calls[-1][2]["V_COPY"] == 0
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, value_copy="sectors")

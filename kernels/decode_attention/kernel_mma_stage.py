@@ -62,7 +62,7 @@ _VW_SECTORS = gl.constexpr(gl.SharedLinearLayout(
 _VW_SECTORS4 = gl.constexpr(gl.SharedLinearLayout(
     offset_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 4], [0, 8, 8],
                   [2, 0, 0]]))
-_RD_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # [1, 16, 16]: one half, lanes as _RD_VN's
+_RD_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # [1, 16, 16]: one slice c (a half; at 4 bits a chunk)
     reg_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 0, 2]], lane_bases=[[0, 4, 0], [0, 8, 0], [0, 0, 0],
                                                                                   [0, 0, 0], [0, 0, 1]],
     warp_bases=[], block_bases=[], shape=[1, 16, 16]))
@@ -70,7 +70,7 @@ _CP_VSEC = gl.constexpr(gl.DistributedLinearLayout(  # lanes in address order: l
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 4, 0], [0, 8, 0]], lane_bases=[[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 1, 0],
                                                                        [0, 2, 0]],
     warp_bases=[], block_bases=[], shape=[2, 16, 16]))
-_CP_VSEC4 = gl.constexpr(gl.DistributedLinearLayout(  # 4 bits: lane 8 rho' + 4 u + c, 512 bytes in a row
+_CP_VSEC4 = gl.constexpr(gl.DistributedLinearLayout(  # 4 bits: lane 16 rho' + 4 u + c, 512 bytes in a row
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 2, 0], [0, 4, 0], [0, 8, 0]], lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 4],
                                                                                   [0, 0, 8], [0, 1, 0]],
     warp_bases=[], block_bases=[], shape=[4, 16, 16]))
