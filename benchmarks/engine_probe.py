@@ -128,11 +128,15 @@ VARIANTS = {
     "chunk-store": dict(),  # the decode store with a program per chunk at every head count (KERNEL_VARIANTS)
     "whole-mlp": dict(mlp_chunk_tokens=None),  # a prefill's MLPs on all its tokens at once (a larger workspace)
     "page-slack": dict(),  # the plan charges half a page more a sequence, as before (KERNEL_VARIANTS)
+    "pairs": dict(),  # decode attention two 64-token blocks an online-softmax step (version 25; KERNEL_VARIANTS)
+    "single": dict(),  # ... one block a step on every call (before version 25; KERNEL_VARIANTS)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
 KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None),
-                   "page-slack": ("pipeline.actors.engine.memory", "PAGE_SLACK", 0.5)}
+                   "page-slack": ("pipeline.actors.engine.memory", "PAGE_SLACK", 0.5),
+                   "pairs": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 2),
+                   "single": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1)}
 
 
 @contextmanager

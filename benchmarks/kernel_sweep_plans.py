@@ -180,4 +180,8 @@ def plan(name: str):
         # as they lie (version 24, the 2-bit default's layout with a second chunk bit)
         vs = [("new", 4, dict(mma=True, value_copy="transposed")), ("new", 4, dict(mma=True, value_copy="sectors"))]
         return [(shape, vs + vs[:1]) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
+    if name == "pairs":  # 2-bit: one online-softmax step a 64-token block (the default) or two (version 25), the
+        # split count as the launcher picks it; A/B/A
+        vs = [("new", 2, dict(mma=True, step_blocks=1)), ("new", 2, dict(mma=True, step_blocks=2))]
+        return [(shape, vs + vs[:1]) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
     raise SystemExit(f"unknown plan {name}")

@@ -168,6 +168,17 @@ def test_mma_kernel_over_4bit_caches_with_three_stages_and_a_whole_ring_split(ca
     check_against_reference(case, TOL[case.dtype], mma=True, num_stages=3, ring_units=0)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 4, 5, 6, 9)] + [MMA4_CASES[0], MMA4_CASES[1]],
+                         ids=lambda c: c.id)
+def test_mma_kernel_with_two_blocks_a_step_matches_reference(case: Case, num_stages: int):
+    """step_blocks=2 (version 25): one online-softmax step over two 64-token blocks. Odd block counts (a pair's
+    last block a step of its own), splits whose ranges end mid-pair, more splits than blocks,
+    empty and ring-only rows, QG 1 to 8, fp16 scales, 4-bit caches, 2 and 3 pairs of stages."""
+    check_against_reference(case, TOL[case.dtype], mma=True, step_blocks=2, num_stages=num_stages)
+
+
 # Rows whose ring splits share out in 32-slot chunks: more splits than units (idle splits), ring-only splits,
 # n_ring not a multiple of 32, and (G=64, L=705: the ring holds 65 tokens at slots [0, 65)) a split whose only
 # chunk is fully masked
@@ -209,6 +220,8 @@ def test_mma_kernel_rejects_ineligible_calls():
     for mma in (None, False):  # the knob is checked on every path, not only where the mma kernel runs
         with pytest.raises(ValueError, match="value_copy must be one of"):
             run(decode_attention, case, q, cache, mma=mma, value_copy="natural")
+        with pytest.raises(ValueError, match="step_blocks"):
+            run(decode_attention, case, q, cache, mma=mma, step_blocks=4)
 
 
 def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
@@ -275,9 +288,41 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
             ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, ring_units=bad)
     with pytest.raises(ValueError, match="num_stages"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=4)
+    assert kw["STEP_BLOCKS"] == 1  # the default on a split call of 16 blocks a row: one block a step
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152)
+    assert calls[-1][2]["STEP_BLOCKS"] == 2  # ... and two on an unsplit 2-bit call
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, step_blocks=1)
+    assert calls[-1][2]["STEP_BLOCKS"] == 1
+    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 3, 1152, step_blocks=2)
+    assert calls[-1][2]["STEP_BLOCKS"] == 2
+    for bad in (0, 3, 2.0):
+        with pytest.raises(ValueError, match="step_blocks"):
+            ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, step_blocks=bad)
     assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace
     with pytest.raises(ValueError, match="maxnreg"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, maxnreg=100)
+
+
+def test_mma_step_blocks_default(monkeypatch):
+    """Two blocks a step at 2 bits where a program reads at least MMA_PAIRS_MIN_BLOCKS packed blocks (unsplit,
+    split); one otherwise, at 4 bits, and wherever MMA_STEP_BLOCKS says so."""
+    from kernels.decode_attention import ops_mma
+
+    unsplit, split = ops_mma.MMA_PAIRS_MIN_BLOCKS
+    splits = random.randint(2, 64)
+    residual = random.choice([64, 128, 192])
+    row = 64 * unsplit + residual  # max_tokens whose packed blocks just reach the unsplit threshold
+    long_row = 64 * split * splits + residual  # ... and fill the split programs just enough
+    assert ops_mma.mma_step_blocks(2, 1, row, residual) == 2
+    assert ops_mma.mma_step_blocks(2, 1, row - 64, residual) == 1
+    assert ops_mma.mma_step_blocks(2, splits, long_row, residual) == 2
+    assert ops_mma.mma_step_blocks(2, splits, long_row - 64, residual) == 1
+    assert ops_mma.mma_step_blocks(4, 1, long_row, residual) == 1
+    assert ops_mma.mma_step_blocks(4, splits, long_row, residual) == 1
+    monkeypatch.setattr(ops_mma, "MMA_STEP_BLOCKS", 1)
+    assert ops_mma.mma_step_blocks(2, 1, long_row, residual) == 1
+    monkeypatch.setattr(ops_mma, "MMA_STEP_BLOCKS", 2)
+    assert ops_mma.mma_step_blocks(4, splits, residual, residual) == 2
 
 
 def test_mma_eligibility_follows_the_kernels_limits():

@@ -5,6 +5,9 @@ table, arriving by cp.async stages (kernel_mma_stage.py), with the operands of k
 Each block: its masked scores (_key_scores), one online-softmax step, then the values' products (_value_step),
 blocks blk + 1 .. blk + STAGES - 1 in flight meanwhile. (Version 18 computed block blk + 1's scores beside block
 blk's values, two dependency chains in one warp; it was 1-13% slower and was removed: kernel_notes.md.)
+Version 25 (_packed_loop_pairs, STEP_BLOCKS=2): one online-softmax step over two blocks, the scores of both,
+then both blocks' products, so that a step's fixed work (the sums' rescale, the cross-lane max and sum, the
+wait) is shared by 128 tokens; STAGES pairs of stages.
 """
 
 from triton.experimental import gluon
@@ -79,23 +82,46 @@ def _online_softmax(s, m_i, l_i):
 
 
 @gluon.jit
+def _online_softmax_pair(s0, s1, m_i, l_i):
+    """One online-softmax step over two blocks' scores s0, s1 [8 h, 8, 8] (_S3): one cross-lane max and one sum
+    for both. Returns (p0, p1, alpha, m_new, l_i); rows [8] in _ROWS."""
+    mx = gl.max(gl.max(gl.maximum(s0, s1), axis=2), axis=1)
+    m_i = gl.convert_layout(m_i, mx.type.layout)
+    m_new = gl.maximum(m_i, mx)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p0 = gl.exp2(s0 - m_safe[:, None, None])
+    p1 = gl.exp2(s1 - m_safe[:, None, None])
+    l_i = gl.convert_layout(l_i, mx.type.layout) * alpha + gl.sum(gl.sum(p0 + p1, axis=2), axis=1)
+    return p0, p1, gl.convert_layout(alpha, _ROWS), gl.convert_layout(m_new, _ROWS), gl.convert_layout(l_i, _ROWS)
+
+
+@gluon.jit
 def _value_step(p, vw, st, vs, vz, alpha, acc0, acc1, acc2, acc3, z, NG: gl.constexpr, V_COPY: gl.constexpr,
-                BITS: gl.constexpr):
-    """After the rescale by alpha: acc_g [32 rho, 8 h] += codes of chunk g x (p v_scale)^T and the zeros' share
-    z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j] are the probabilities of a stage's tokens
-    8 j + nn."""
+                BITS: gl.constexpr, RESCALE: gl.constexpr = True):
+    """After the rescale by alpha (without RESCALE none: a pair's second block): acc_g [32 rho, 8 h] += codes of
+    chunk g x (p v_scale)^T and the zeros' share z [16 (group m % NG), 8 h] += v_zero^T p^T; p [8 h, 8 nn, 8 j]
+    are the probabilities of a stage's tokens 8 j + nn."""
     alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
     p_t = gl.convert_layout(p.permute(1, 2, 0), _P3, assert_trivial=True)  # [8 nn, 8 j, 8 h]
     if vs.dtype == gl.float16:  # fp16 scales: the chunks' products in packed fp16 from one rounding of p
         p_t = p_t.to(gl.float16)
     vs0, vs1, vs2, vs3 = _value_scale_chunks(vs, NG)
-    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_COPY, BITS), acc0 * alpha_c, BITS)
-    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_COPY, BITS), acc1 * alpha_c, BITS)
-    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_COPY, BITS), acc2 * alpha_c, BITS)
-    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_COPY, BITS), acc3 * alpha_c, BITS)
+    acc0 = _value_chunk(p_t, vs0, _value_words(vw, st, 0, V_COPY, BITS), _rescaled(acc0, alpha_c, RESCALE), BITS)
+    acc1 = _value_chunk(p_t, vs1, _value_words(vw, st, 1, V_COPY, BITS), _rescaled(acc1, alpha_c, RESCALE), BITS)
+    acc2 = _value_chunk(p_t, vs2, _value_words(vw, st, 2, V_COPY, BITS), _rescaled(acc2, alpha_c, RESCALE), BITS)
+    acc3 = _value_chunk(p_t, vs3, _value_words(vw, st, 3, V_COPY, BITS), _rescaled(acc3, alpha_c, RESCALE), BITS)
     p_z = gl.convert_layout(p_t.to(vz.dtype).reshape([64, 8]), _OP_B, assert_trivial=True)
-    z = mma_v2(_value_zeros(vz, NG), p_z, z * alpha_c)
+    z = mma_v2(_value_zeros(vz, NG), p_z, _rescaled(z, alpha_c, RESCALE))
     return acc0, acc1, acc2, acc3, z
+
+
+@gluon.jit
+def _rescaled(acc, alpha_c, RESCALE: gl.constexpr):
+    """acc * alpha_c, or acc as it is without RESCALE."""
+    if RESCALE:
+        acc = acc * alpha_c
+    return acc
 
 
 @gluon.jit
@@ -150,4 +176,46 @@ def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_e
         acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
                                                 acc3, z, NG, V_COPY, BITS)
     cp.wait_group(0)
+    return m_i, l_i, acc0, acc1, acc2, acc3, z
+
+
+@gluon.jit
+def _packed_loop_pairs(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs,
+                       strides, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
+                       stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                       V_COPY: gl.constexpr, BITS: gl.constexpr):
+    """_packed_loop two blocks a step (version 25): blocks blk, blk + 1 share one online-softmax step and one
+    rescale; 2 STAGES stages, pairs blk + 2 .. in flight. An odd count's last block takes a step of its own
+    after the loop (its stage has been issued with the pairs ahead)."""
+    gl.static_assert(STAGES == 2 or STAGES == 3)
+    NG: gl.constexpr = 128 // GROUP
+    NBUF: gl.constexpr = 2 * STAGES
+    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, NBUF, V_COPY, BITS)
+    kw, ks, kz, vw, vs, vz = stages
+    for pre in gl.static_range(NBUF - 2):
+        _issue(stages, pre, lo + pre, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w, stride_ks_g, stride_vc_t,
+               stride_vs_t, GROUP, PAGE, V_COPY, BITS)
+    pairs_end = lo + (n_end - lo) // 2 * 2
+    for blk in range(lo, pairs_end, 2):
+        st = (blk - lo) % NBUF  # even: the pair's stages st, st + 1
+        nxt = (blk - lo + NBUF - 2) % NBUF  # the stages the previous pair was read from
+        for k in gl.static_range(2):
+            _issue(stages, nxt + k, blk + NBUF - 2 + k, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w,
+                   stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY, BITS)
+        cp.wait_group(NBUF - 2)  # the pair's two groups have landed
+        s0 = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale, BITS)
+        s1 = _key_scores(q8, q_a, kw.index(st + 1), ks.index(st + 1), kz.index(st + 1), nq - (blk + 1) * 64,
+                         qk_scale, BITS)
+        p0, p1, alpha, m_i, l_i = _online_softmax_pair(s0, s1, m_i, l_i)
+        acc0, acc1, acc2, acc3, z = _value_step(p0, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
+                                                acc3, z, NG, V_COPY, BITS)
+        acc0, acc1, acc2, acc3, z = _value_step(p1, vw, st + 1, vs.index(st + 1), vz.index(st + 1), alpha, acc0,
+                                                acc1, acc2, acc3, z, NG, V_COPY, BITS, RESCALE=False)
+    cp.wait_group(0)
+    if pairs_end < n_end:  # the odd block, one step
+        st = (pairs_end - lo) % NBUF
+        s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - pairs_end * 64, qk_scale, BITS)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
+                                                acc3, z, NG, V_COPY, BITS)
     return m_i, l_i, acc0, acc1, acc2, acc3, z

@@ -113,6 +113,7 @@ def decode_attention(
     mma: bool | None = None,
     value_copy: str | None = None,
     ring_units: int | None = None,
+    step_blocks: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -136,12 +137,15 @@ def decode_attention(
     "sectors", kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and
     ring_units (the weight of 32 ring
     slots in the split count's work units, the ring then spread over splits; 0 gives the whole ring to one split;
-    default ops_mma.MMA_RING_UNITS) apply).
+    default ops_mma.MMA_RING_UNITS) and step_blocks (64-token blocks per online-softmax step, 1 or 2; default
+    ops_mma.mma_step_blocks) apply).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
                residual_length=residual_length, page_size=page_size)
     check_value_copy(value_copy)
+    if step_blocks is not None:  # checked on every path, as value_copy is
+        C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     qg = q_heads // kv_heads
@@ -168,7 +172,7 @@ def decode_attention(
                              f"device={q.device}")
         return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          maxnreg, num_stages, value_copy, ring_units)
+                          maxnreg, num_stages, value_copy, ring_units, step_blocks)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in table_knobs)

@@ -41,6 +41,16 @@ MMA_VALUE_COPY = "sectors"
 # holds their first unit; 0 gives the whole ring to one split (version 20 and before), which at B=8, L=4,096,
 # 32/8 heads (16 splits of 5 units) read 2 blocks and the whole ring (8 units) while 3 splits sat idle
 MMA_RING_UNITS = 2
+# 64-token blocks per online-softmax step (version 25, kernel_mma_loop._packed_loop_pairs): 2 shares a step's
+# fixed work (the sums' rescale, the cross-lane max and sum, the wait) by 128 tokens, 9% fewer instructions a
+# block in the 2-bit loop's SASS (1,095 -> 991 at QG 1, sm_90, triton 3.6) at the same registers, with twice the
+# stages' shared memory (24 KiB a program at 2 bits, 40 at 4) and 1.8x the kernel's code. Measured
+# (kernels-20261130-h200-sweep-pairs2.json, -v25.json, split-probe-20261130-h200-pairs*.json): 2.5-7% faster on
+# long programs (unsplit calls of 16 blocks a row and more, splits of 64 and more), slower on short ones (6% on
+# unsplit rows of 6 blocks; 3-30% on splits of 5-32 blocks, whose one-wave grids pay the larger code's cold
+# start and the deeper prologue), so by default (None) 2 exactly on the long ones (mma_step_blocks)
+MMA_STEP_BLOCKS: int | None = None
+MMA_PAIRS_MIN_BLOCKS = (16, 64)  # packed blocks a program reads at least for step_blocks 2: (unsplit, split)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
@@ -80,16 +90,26 @@ def mma_resident(maxnreg: int) -> int | None:
     return MMA_RESIDENT if maxnreg > 168 else None
 
 
+def mma_step_blocks(bits: int, num_splits: int, max_tokens: int, residual_length: int) -> int:
+    """The default blocks a step: MMA_STEP_BLOCKS when set, else 2 for 2-bit caches where a program reads at
+    least MMA_PAIRS_MIN_BLOCKS packed blocks (of the longest row; unsplit or split), 1 otherwise."""
+    if MMA_STEP_BLOCKS is not None:
+        return MMA_STEP_BLOCKS
+    blocks_per_program = max(max_tokens - residual_length, 0) // 64 / num_splits
+    return 2 if bits == 2 and blocks_per_program >= MMA_PAIRS_MIN_BLOCKS[num_splits > 1] else 1
+
+
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-               maxnreg=None, stages=None, value_copy=None, ring_units=None) -> torch.Tensor:
+               maxnreg=None, stages=None, value_copy=None, ring_units=None, step_blocks=None) -> torch.Tensor:
     """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
     and the split count, which assumes 8, is not adjusted). value_copy: how value words reach shared memory, one
     of VALUE_COPIES (MMA_VALUE_COPY by default; "transposed" where a token's 4 * bits words are not contiguous).
     ring_units: the work units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default;
-    0: the whole ring to one split)."""
+    0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2
+    (mma_step_blocks by default; 2 takes 2 stages of each kind a step)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -108,11 +128,14 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
         raise ValueError(f"{_OP}: ring_units must be an int in [0, 8], got {ring_units!r}")
     num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM,
                                    resident=mma_resident(maxnreg))
+    if step_blocks is None:
+        step_blocks = mma_step_blocks(bits, num_splits, max_tokens, residual_length)
+    C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
         QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
         V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits,
-        PDL=num_splits > 1 and C.programmatic_launch(q.device),
+        PDL=num_splits > 1 and C.programmatic_launch(q.device), STEP_BLOCKS=step_blocks,
         num_warps=1, maxnreg=maxnreg,
     )
