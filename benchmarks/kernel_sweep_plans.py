@@ -184,4 +184,8 @@ def plan(name: str):
         # split count as the launcher picks it; A/B/A
         vs = [("new", 2, dict(mma=True, step_blocks=1)), ("new", 2, dict(mma=True, step_blocks=2))]
         return [(shape, vs + vs[:1]) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
+    if name == "mma4-lanes":  # the 4-bit default alone, to run from two trees in one call (the 4-bit value
+        # copy's lane order, kernel_notes.md, version 24's last note)
+        shapes = MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]
+        return [(shape, [("new", 4, dict(mma=True))]) for shape in shapes]
     raise SystemExit(f"unknown plan {name}")
