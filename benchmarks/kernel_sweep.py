@@ -211,13 +211,15 @@ NCU_VARIANTS = [
 ]
 
 
-def ncu_main(mma: bool = False, B: int = 64, L: int = 4096, H: int = 32, value_copy: str | None = None):
-    """Each NCU_VARIANTS entry (with mma, the tensor-core kernel alone, value_copy as given) once to warm up, then
-    once more (profile with --launch-skip/count = the number of variants)."""
+def ncu_main(mma: bool = False, B: int = 64, L: int = 4096, H: int = 32, value_copy: str | None = None,
+             step_blocks: int | None = None):
+    """Each NCU_VARIANTS entry (with mma, the tensor-core kernel alone, value_copy and step_blocks as given) once
+    to warm up, then once more (profile with --launch-skip/count = the number of variants)."""
     from kivi_data import kivi_args, make_kivi_sets
 
     Hq = 32
-    variants = [("new", dict(mma=True, **({"value_copy": value_copy} if value_copy else {})))] if mma else NCU_VARIANTS
+    knobs = {k: v for k, v in dict(value_copy=value_copy, step_blocks=step_blocks).items() if v is not None}
+    variants = [("new", dict(mma=True, **knobs))] if mma else NCU_VARIANTS
     data = make_kivi_sets(B, L, Hq, H, D, 2, 2, DTYPE, torch.device("cuda"), 1, seed=3)
     ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128)
     for _ in range(2):
@@ -237,12 +239,14 @@ def main():
     ap.add_argument("--ncu-mma", default=None, metavar="B,L", help="with --ncu: the tensor-core kernel at B rows of L")
     ap.add_argument("--ncu-kv-heads", type=int, default=32, help="with --ncu-mma: KV heads (32 query heads)")
     ap.add_argument("--ncu-value-copy", default=None, help="with --ncu-mma: the kernel's value_copy (default: its own)")
+    ap.add_argument("--ncu-step-blocks", type=int, default=None, help="with --ncu-mma: the kernel's step_blocks")
     ap.add_argument("--no-sdpa", action="store_true")
     args = ap.parse_args()
     if args.ncu:
         if args.ncu_mma:
             B, L = (int(x) for x in args.ncu_mma.split(","))
-            ncu_main(mma=True, B=B, L=L, H=args.ncu_kv_heads, value_copy=args.ncu_value_copy)
+            ncu_main(mma=True, B=B, L=L, H=args.ncu_kv_heads, value_copy=args.ncu_value_copy,
+                     step_blocks=args.ncu_step_blocks)
         else:
             ncu_main()
         return
