@@ -252,7 +252,9 @@ def test_kernels_compile_for_h200():
                   dict(mma_consts, QG=1, GROUP=64, SPLIT=False, stride_vs_t=2, BITS=4, V_COPY=1, stride_vc_t=16),
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     for pairs in (dict(mma_consts, STEP_BLOCKS=2), dict(mma_consts, STEP_BLOCKS=2, QG=1, SPLIT=False, STAGES=3),
-                  dict(mma_consts, STEP_BLOCKS=2, BITS=4, V_COPY=1, QG=8, stride_vc_t=16)):
+                  dict(mma_consts, STEP_BLOCKS=2, BITS=4, V_COPY=1, QG=8, stride_vc_t=16),
+                  dict(mma_consts, STEP_BLOCKS=2, V_COPY=0), dict(mma_consts, STEP_BLOCKS=2, BITS=4, V_COPY=0,
+                                                                  GROUP=64, stride_vc_t=16, stride_vs_t=2)):
         specs.append((_decode_attention_mma_kernel, s16_ptrs, pairs,  # two blocks a step (version 25)
                       dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),

@@ -131,7 +131,8 @@ def _decode_attention_mma_kernel(
     acc2 = acc0
     acc3 = acc0
     z = gl.zeros([16, 8], gl.float32, _MMA)
-    # stage 2: packed blocks through the block table (kernel_mma_loop.py: STAGES cp.async stages)
+    # stage 2: packed blocks through the block table (kernel_mma_loop.py: STAGES cp.async stages, or STAGES pairs
+    # of them with STEP_BLOCKS 2)
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     ptrs = (kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr)

@@ -44,13 +44,16 @@ MMA_RING_UNITS = 2
 # 64-token blocks per online-softmax step (version 25, kernel_mma_loop._packed_loop_pairs): 2 shares a step's
 # fixed work (the sums' rescale, the cross-lane max and sum, the wait) by 128 tokens, 9% fewer instructions a
 # block in the 2-bit loop's SASS (1,095 -> 991 at QG 1, sm_90, triton 3.6) at the same registers, with twice the
-# stages' shared memory (24 KiB a program at 2 bits, 40 at 4) and 1.8x the kernel's code. Measured
+# stages' shared memory (at 2 stages and G=32: 24 KiB a program at 2 bits, 40 at 4, where 5 programs fit an SM
+# and the split count, which assumes 8, is not adjusted) and 1.8x the kernel's code. Measured
 # (kernels-20261130-h200-sweep-pairs2.json, -v25.json, split-probe-20261130-h200-pairs*.json): 2.5-7% faster on
 # long programs (unsplit calls of 16 blocks a row and more, splits of 64 and more), slower on short ones (6% on
 # unsplit rows of 6 blocks; 3-30% on splits of 5-32 blocks, whose one-wave grids pay the larger code's cold
 # start and the deeper prologue), so by default (None) 2 exactly on the long ones (mma_step_blocks)
 MMA_STEP_BLOCKS: int | None = None
-MMA_PAIRS_MIN_BLOCKS = (16, 64)  # packed blocks a program reads at least for step_blocks 2: (unsplit, split)
+# packed blocks a program may read at least for step_blocks 2, (unsplit, split): of the block table's capacity
+# (the launcher's max_tokens, which sets the split count too; the rows' own lengths are on the GPU)
+MMA_PAIRS_MIN_BLOCKS = (16, 64)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
@@ -91,8 +94,10 @@ def mma_resident(maxnreg: int) -> int | None:
 
 
 def mma_step_blocks(bits: int, num_splits: int, max_tokens: int, residual_length: int) -> int:
-    """The default blocks a step: MMA_STEP_BLOCKS when set, else 2 for 2-bit caches where a program reads at
-    least MMA_PAIRS_MIN_BLOCKS packed blocks (of the longest row; unsplit or split), 1 otherwise."""
+    """The default blocks a step: MMA_STEP_BLOCKS when set, else 2 for 2-bit caches where a program may read at
+    least MMA_PAIRS_MIN_BLOCKS packed blocks (max_tokens, the block table's capacity, over the splits; unsplit or
+    split), 1 otherwise. In the engine the capacity follows max_model_len, so short rows of a long-capacity
+    table take two blocks a step too (as they did in engine-20261130-h200-v25.json)."""
     if MMA_STEP_BLOCKS is not None:
         return MMA_STEP_BLOCKS
     blocks_per_program = max(max_tokens - residual_length, 0) // 64 / num_splits
@@ -105,8 +110,9 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
-    and the split count, which assumes 8, is not adjusted). value_copy: how value words reach shared memory, one
-    of VALUE_COPIES (MMA_VALUE_COPY by default; "transposed" where a token's 4 * bits words are not contiguous).
+    and the split count, which assumes 8, is not adjusted; with step_blocks 2, stages pairs of stages).
+    value_copy: how value words reach shared memory, one of VALUE_COPIES (MMA_VALUE_COPY by default;
+    "transposed" where a token's 4 * bits words are not contiguous).
     ring_units: the work units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default;
     0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2
     (mma_step_blocks by default; 2 takes 2 stages of each kind a step)."""
