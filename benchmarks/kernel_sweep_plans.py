@@ -8,6 +8,8 @@ from __future__ import annotations
 MMA_SHAPES = [(8, 4096, 32, 32), (64, 4096, 32, 32), (256, 4096, 32, 32), (128, 1152, 32, 32), (64, 32768, 32, 32),
               (1, 131072, 32, 32), (8, 4096, 32, 8), (64, 4096, 32, 8), (256, 4096, 32, 8), (8, 32768, 32, 8),
               (1, 131072, 32, 8)]
+# ... and the engine's b and e widths (Llama-2-7B at 40 GiB)
+MMA_ENGINE_SHAPES = MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]
 
 
 def plan(name: str):
@@ -160,7 +162,7 @@ def plan(name: str):
     if name == "mma4":  # 4-bit caches: the tensor-core kernel (BITS=4, kernel_mma_frag4.py) against the table
         # kernel that ran them before (mma=False), on MMA_SHAPES and the engine's b and e widths
         vs = [("new", 4, dict(mma=False)), ("new", 4, dict(mma=True))]
-        return [(shape, vs) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
+        return [(shape, vs) for shape in MMA_ENGINE_SHAPES]
     if name == "mma4-stages":  # 4-bit caches on the tensor-core kernel: two cp.async stages (the default) or three
         # (two 10 KiB blocks in flight; 30 KiB a program, 7 an SM), the split count as the launcher picks it
         # and, under a wave, three stages with the split count filling whole waves of 7
@@ -169,7 +171,7 @@ def plan(name: str):
         from kernels.decode_attention.common import ONE_WARP_MAX_SPLITS, wave_splits
 
         out = []
-        for B, L, Hq, H in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]:
+        for B, L, Hq, H in MMA_ENGINE_SHAPES:
             vs = [("new", 4, dict(mma=True, num_stages=2)), ("new", 4, dict(mma=True, num_stages=3))]
             if B * H < 7 * 132:
                 splits = wave_splits(B * H, max_tokens_of(L), 7 * 132, ONE_WARP_MAX_SPLITS)
@@ -179,13 +181,12 @@ def plan(name: str):
     if name == "mma4-sectors":  # 4-bit value words: version 22's 4-byte transposed copy against 16-byte pieces
         # as they lie (version 24, the 2-bit default's layout with a second chunk bit)
         vs = [("new", 4, dict(mma=True, value_copy="transposed")), ("new", 4, dict(mma=True, value_copy="sectors"))]
-        return [(shape, vs + vs[:1]) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
+        return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
     if name == "pairs":  # 2-bit: one online-softmax step a 64-token block (the default) or two (version 25), the
         # split count as the launcher picks it; A/B/A
         vs = [("new", 2, dict(mma=True, step_blocks=1)), ("new", 2, dict(mma=True, step_blocks=2))]
-        return [(shape, vs + vs[:1]) for shape in MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]]
+        return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
     if name == "mma4-lanes":  # the 4-bit default alone, to run from two trees in one call (the 4-bit value
         # copy's lane order, kernel_notes.md, version 24's last note)
-        shapes = MMA_SHAPES + [(106, 1152, 32, 32), (64, 2304, 32, 32)]
-        return [(shape, [("new", 4, dict(mma=True))]) for shape in shapes]
+        return [(shape, [("new", 4, dict(mma=True))]) for shape in MMA_ENGINE_SHAPES]
     raise SystemExit(f"unknown plan {name}")

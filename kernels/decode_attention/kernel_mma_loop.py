@@ -171,11 +171,22 @@ def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_e
         _issue(stages, (blk - lo + STAGES - 1) % STAGES, blk + STAGES - 1, ptrs, strides, n_end, nq, bt_row, h,
                stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, V_COPY, BITS)
         cp.wait_group(STAGES - 1)  # block blk's group (all but the STAGES - 1 newest) has landed
-        s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - blk * 64, qk_scale, BITS)
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
-                                                acc3, z, NG, V_COPY, BITS)
+        m_i, l_i, acc0, acc1, acc2, acc3, z = _block_step(q8, q_a, qk_scale, stages, st, nq - blk * 64, m_i, l_i,
+                                                          acc0, acc1, acc2, acc3, z, NG, V_COPY, BITS)
     cp.wait_group(0)
+    return m_i, l_i, acc0, acc1, acc2, acc3, z
+
+
+@gluon.jit
+def _block_step(q8, q_a, qk_scale, stages, st, n_valid, m_i, l_i, acc0, acc1, acc2, acc3, z, NG: gl.constexpr,
+                V_COPY: gl.constexpr, BITS: gl.constexpr):
+    """One online-softmax step over the block in stage st (n_valid of its tokens packed): its scores, the step,
+    the values' products. Returns (m_i, l_i, acc0, acc1, acc2, acc3, z)."""
+    kw, ks, kz, vw, vs, vz = stages
+    s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), n_valid, qk_scale, BITS)
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+    acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2, acc3, z,
+                                            NG, V_COPY, BITS)
     return m_i, l_i, acc0, acc1, acc2, acc3, z
 
 
@@ -213,9 +224,7 @@ def _packed_loop_pairs(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, l
                                                 acc1, acc2, acc3, z, NG, V_COPY, BITS, RESCALE=False)
     cp.wait_group(0)
     if pairs_end < n_end:  # the odd block, one step
-        st = (pairs_end - lo) % NBUF
-        s = _key_scores(q8, q_a, kw.index(st), ks.index(st), kz.index(st), nq - pairs_end * 64, qk_scale, BITS)
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
-        acc0, acc1, acc2, acc3, z = _value_step(p, vw, st, vs.index(st), vz.index(st), alpha, acc0, acc1, acc2,
-                                                acc3, z, NG, V_COPY, BITS)
+        m_i, l_i, acc0, acc1, acc2, acc3, z = _block_step(q8, q_a, qk_scale, stages, (pairs_end - lo) % NBUF,
+                                                          nq - pairs_end * 64, m_i, l_i, acc0, acc1, acc2, acc3, z,
+                                                          NG, V_COPY, BITS)
     return m_i, l_i, acc0, acc1, acc2, acc3, z

@@ -8,7 +8,7 @@ from ..packing import expected_scale_dtype
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
-from .ops_mma import MMA_DEFAULT, check_value_copy, launch_mma, mma_eligible
+from .ops_mma import MMA_DEFAULT, check_step_blocks, check_value_copy, launch_mma, mma_eligible
 
 _OP = "decode_attention"
 
@@ -144,8 +144,7 @@ def decode_attention(
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
                residual_length=residual_length, page_size=page_size)
     check_value_copy(value_copy)
-    if step_blocks is not None:  # checked on every path, as value_copy is
-        C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
+    check_step_blocks(step_blocks)
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     qg = q_heads // kv_heads

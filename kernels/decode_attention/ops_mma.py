@@ -87,6 +87,12 @@ def check_value_copy(value_copy: str | None) -> None:
         raise ValueError(f"{_OP}: value_copy must be one of {sorted(VALUE_COPIES)}, got {value_copy!r}")
 
 
+def check_step_blocks(step_blocks: int | None) -> None:
+    """A clear error for a step_blocks that is not None, 1 or 2, on every path of the call."""
+    if step_blocks is not None:
+        C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
+
+
 def mma_resident(maxnreg: int) -> int | None:
     """Programs an SM holds at this register cap for the whole-wave split count (MMA_RESIDENT above 168 registers:
     2 warps per scheduler), or None below it, where the count aims at MMA_PER_SM programs per SM."""
@@ -136,7 +142,7 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
                                    resident=mma_resident(maxnreg))
     if step_blocks is None:
         step_blocks = mma_step_blocks(bits, num_splits, max_tokens, residual_length)
-    C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
+    check_step_blocks(step_blocks)  # a given value, or MMA_STEP_BLOCKS when set
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     return C.launch_kivi(
         _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
