@@ -173,9 +173,10 @@ def test_mma_kernel_over_4bit_caches_with_three_stages_and_a_whole_ring_split(ca
 @pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 4, 5, 6, 9)] + [MMA4_CASES[i] for i in (0, 1, 2)],
                          ids=lambda c: c.id)
 def test_mma_kernel_with_two_blocks_a_step_matches_reference(case: Case, num_stages: int):
-    """step_blocks=2 (version 25): one online-softmax step over two 64-token blocks. Odd block counts (the last
-    block a step of its own), splits whose ranges end mid-pair, more splits than blocks, empty and ring-only rows,
-    QG 1 to 8, G=32/64, fp16 scales, 4-bit caches, 2 and 3 pairs of stages."""
+    """step_blocks=2 (versions 25-26): one online-softmax step over two 64-token blocks. Odd block counts (the
+    last block the first of a masked half pair, whose second block may be the next split's or lie in a poisoned
+    page), splits whose ranges end mid-pair, more splits than blocks, empty and ring-only rows, QG 1 to 8,
+    G=32/64, fp16 scales, 4-bit caches, 2 and 3 pairs of stages."""
     check_against_reference(case, TOL[case.dtype], mma=True, step_blocks=2, num_stages=num_stages)
 
 

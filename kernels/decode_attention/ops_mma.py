@@ -45,10 +45,11 @@ MMA_RING_UNITS = 2
 # fixed work (the sums' rescale, the cross-lane max and sum, the wait) by 128 tokens, 9% fewer instructions a
 # block in the 2-bit loop's SASS (1,095 -> 991 at QG 1, sm_90, triton 3.6) at the same registers, with twice the
 # stages' shared memory (at 2 stages and G=32: 24 KiB a program at 2 bits, 40 at 4, where 5 programs fit an SM
-# and the split count, which assumes 8, is not adjusted) and 1.8x the kernel's code. Measured
-# (kernels-20261130-h200-sweep-pairs2.json, -v25.json, split-probe-20261130-h200-pairs*.json): 2.5-7% faster on
-# long programs (unsplit calls of 16 blocks a row and more, splits of 64 and more), slower on short ones (6% on
-# unsplit rows of 6 blocks; 3-30% on splits of 5-32 blocks, whose one-wave grids pay the larger code's cold
+# and the split count, which assumes 8, is not adjusted) and 1.4x the kernel's code (an odd count ends on a
+# masked half pair, version 26). Measured (kernels-20261130-h200-sweep-halfpair-*.json, -v25.json,
+# split-probe-20261130-h200-pairs*.json): 1-8% faster on long programs (unsplit calls of 16 blocks a row and
+# more, splits of 64 and more), within +-1.5% on splits of 31-32 blocks, slower on short ones (6% on unsplit
+# rows of 6 blocks; 2-4% on splits of 15-17 blocks, 21% on 5, whose one-wave grids pay the larger code's cold
 # start and the deeper prologue), so by default (None) 2 exactly on the long ones (mma_step_blocks)
 MMA_STEP_BLOCKS: int | None = None
 # packed blocks a program may read at least for step_blocks 2, (unsplit, split): of the block table's capacity
