@@ -186,6 +186,9 @@ def plan(name: str):
         # split count as the launcher picks it; A/B/A
         vs = [("new", 2, dict(mma=True, step_blocks=1)), ("new", 2, dict(mma=True, step_blocks=2))]
         return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
+    if name == "pairs4":  # the same at 4 bits (version 26's loop; 40 KiB of stages a program, 5 an SM)
+        vs = [("new", 4, dict(mma=True, step_blocks=1)), ("new", 4, dict(mma=True, step_blocks=2))]
+        return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
     if name == "mma4-lanes":  # the 4-bit default alone, to run from two trees in one call (the 4-bit value
         # copy's lane order, kernel_notes.md, version 24's last note)
         return [(shape, [("new", 4, dict(mma=True))]) for shape in MMA_ENGINE_SHAPES]

@@ -50,7 +50,8 @@ MMA_RING_UNITS = 2
 # split-probe-20261130-h200-pairs*.json): 1-8% faster on long programs (unsplit calls of 16 blocks a row and
 # more, splits of 64 and more), within +-1.5% on splits of 31-32 blocks, slower on short ones (6% on unsplit
 # rows of 6 blocks; 2-4% on splits of 15-17 blocks, 21% on 5, whose one-wave grids pay the larger code's cold
-# start and the deeper prologue), so by default (None) 2 exactly on the long ones (mma_step_blocks)
+# start and the deeper prologue), so by default (None) 2 exactly on the long ones (mma_step_blocks). At 4 bits it
+# is 18-58% slower on every shape (kernels-20261130-h200-sweep-pairs4.json: 5 programs an SM instead of 8), so 1.
 MMA_STEP_BLOCKS: int | None = None
 # packed blocks a program may read at least for step_blocks 2, (unsplit, split): of the block table's capacity
 # (the launcher's max_tokens, which sets the split count too; the rows' own lengths are on the GPU)
