@@ -189,6 +189,17 @@ def plan(name: str):
     if name == "pairs4":  # the same at 4 bits (version 26's loop; 40 KiB of stages a program, 5 an SM)
         vs = [("new", 4, dict(mma=True, step_blocks=1)), ("new", 4, dict(mma=True, step_blocks=2))]
         return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
+    if name == "miss-splits":  # 2-bit: the shapes that miss issue 5's targets, at other split counts with one or
+        # two blocks a step (version 26 made pairs cheaper, which may favour fewer, longer programs); the
+        # launcher's default first and last
+        tries = {(8, 4096, 32, 32): [(2, 2), (3, 2), (4, 2), (8, 1)], (8, 4096, 32, 8): [(8, 1), (8, 2), (4, 2)],
+                 (64, 4096, 32, 8): [(1, 1), (1, 2), (2, 2), (3, 1)], (8, 32768, 32, 8): [(8, 2), (12, 2), (16, 2)],
+                 (1, 131072, 32, 8): [(63, 2), (84, 2), (126, 2), (63, 1)], (1, 131072, 32, 32): [(16, 2), (24, 2)]}
+        out = []
+        for shape, knobs in tries.items():
+            vs = [("new", 2, dict(mma=True, num_splits=s, step_blocks=sb)) for s, sb in knobs]
+            out.append((shape, [("new", 2, dict(mma=True))] + vs + [("new", 2, dict(mma=True))]))
+        return out
     if name == "mma4-lanes":  # the 4-bit default alone, to run from two trees in one call (the 4-bit value
         # copy's lane order, kernel_notes.md, version 24's last note)
         return [(shape, [("new", 4, dict(mma=True))]) for shape in MMA_ENGINE_SHAPES]
