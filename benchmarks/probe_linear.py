@@ -5,8 +5,10 @@ On the H200:
     python benchmarks/probe_linear.py --out $OUT/linear.json
 
 Llama-2-7B's products (q/k/v and gate/up fused, as the engine runs them; o, down, lm_head) at batch widths of
-the engine's decode graphs, each on 8 copies of its weight so that no call hits the L2 cache; torch's
-`F.linear` (cuBLAS) on the stored [out, in] weight, and `x @ w` on a transposed copy as a second layout.
+the engine's decode graphs, each on 8 copies of its weight so that no call hits the L2 cache, timed as the engine
+runs them, inside a CUDA graph (gpu_timing.time_graph; eager events, used before the nineteenth session, added
+launch gaps to the small products); torch's `F.linear` (cuBLAS) on the stored [out, in] weight, and `x @ w` on
+a transposed copy as a second layout.
 `step_matmul_ms` is 32 layers' products plus the head. The peer is the copy bandwidth measured in the same run
 (weights' bytes over it: `bound_ms`). cuBLAS's kernel choice depends on the width; the engine's bucket tuning
 (model_runner.route_buckets) exists because of what this shows. Prints one JSON object last.
@@ -23,23 +25,16 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 from common import copy_bandwidth, env_header, write_json  # noqa: E402
+from gpu_timing import time_graph  # noqa: E402
 
 SHAPES = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096),
           "lm_head": (4096, 32000)}  # name: (in, out)
 WIDTHS = (21, 37, 64, 92, 128, 141, 144, 160, 192, 224, 238, 240, 256)
 
 
-def time_ms(fn, copies: int, reps: int = 48) -> float:
-    """Mean time (ms) of fn(i) over reps calls cycling through the weight copies."""
-    for i in range(copies):
-        fn(i)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(reps):
-        fn(i % copies)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def time_ms(fn, copies: int) -> float:
+    """Median ms per call of fn(i), cycling through the weight copies, replayed as one CUDA graph."""
+    return time_graph([lambda i=i: fn(i) for i in range(copies)])["ms"]
 
 
 def width_record(m: int, weights: dict, transposed: dict) -> dict:
