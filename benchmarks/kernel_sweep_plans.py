@@ -182,12 +182,10 @@ def plan(name: str):
         # as they lie (version 24, the 2-bit default's layout with a second chunk bit)
         vs = [("new", 4, dict(mma=True, value_copy="transposed")), ("new", 4, dict(mma=True, value_copy="sectors"))]
         return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
-    if name == "pairs":  # 2-bit: one online-softmax step a 64-token block (the default) or two (version 25), the
-        # split count as the launcher picks it; A/B/A
-        vs = [("new", 2, dict(mma=True, step_blocks=1)), ("new", 2, dict(mma=True, step_blocks=2))]
-        return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
-    if name == "pairs4":  # the same at 4 bits (version 26's loop; 40 KiB of stages a program, 5 an SM)
-        vs = [("new", 4, dict(mma=True, step_blocks=1)), ("new", 4, dict(mma=True, step_blocks=2))]
+    if name in ("pairs", "pairs4"):  # one online-softmax step a 64-token block (the default) or two (versions
+        # 25-26), the split count as the launcher picks it; A/B/A; pairs4 at 4 bits (40 KiB of stages, 5 an SM)
+        bits = 4 if name == "pairs4" else 2
+        vs = [("new", bits, dict(mma=True, step_blocks=1)), ("new", bits, dict(mma=True, step_blocks=2))]
         return [(shape, vs + vs[:1]) for shape in MMA_ENGINE_SHAPES]
     if name == "miss-splits":  # 2-bit: the shapes that miss issue 5's targets, at other split counts with one or
         # two blocks a step (version 26 made pairs cheaper, which may favour fewer, longer programs); the

@@ -115,10 +115,9 @@ class SplitKWorkspace:
         return self._bufs[key]
 
 
-def splitk_linear(x: torch.Tensor, weight: torch.Tensor, config: SplitKConfig,
+def splitk_linear(x: torch.Tensor, weight: torch.Tensor, cfg: SplitKConfig,
                   workspace: SplitKWorkspace) -> torch.Tensor:
     """x [M, K], weight [N, K] -> y [M, N] = x weight^T (x's dtype)."""
-    cfg = config
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
