@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Cells of the engine benchmark's matrix (issue 3) on a machine of two GPUs: two bench_engine processes at
+# once, one per GPU, each with its own model, cap and workloads. Each process measures its own GPU's copy
+# bandwidth and matmul rate, so every record's bound belongs to the GPU it ran on.
+#
+#   LANE0="--models llama3-8b --caps 40 --workloads a,c,d" \
+#   LANE1="--models llama2-7b --caps 80 --workloads a,c,d" bash benchmarks/matrix_device.sh
+#
+# SYSTEMS (default engine-kivi-2,engine-bf16,engine-kivi-4,hf-bf16), WINDOW_S (timed seconds per system and
+# cell, default 30) and BUDGET_S (start no run after this many seconds, default 480) apply to both lanes.
+# Results: $OUT/engine-gpu<i>.json and .log; the rows of both tables are printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/matrix-device}
+SYSTEMS=${SYSTEMS:-engine-kivi-2,engine-bf16,engine-kivi-4,hf-bf16}
+WINDOW_S=${WINDOW_S:-30}
+BUDGET_S=${BUDGET_S:-480}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+
+gpu=0
+for lane in "${LANE0:-}" "${LANE1:-}"; do
+    if [ -n "$lane" ]; then
+        # shellcheck disable=SC2086  # a lane is a list of bench_engine arguments
+        CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_engine.py $lane --systems "$SYSTEMS" \
+            --max-seconds "$WINDOW_S" --budget-seconds "$BUDGET_S" --out "$OUT/engine-gpu$gpu.json" \
+            > "$OUT/engine-gpu$gpu.log" 2>&1 &
+    fi
+    gpu=$((gpu + 1))
+done
+wait
+
+for log in "$OUT"/engine-gpu*.log; do
+    echo "== $log"
+    grep -v '^{' "$log" | tail -n 24 | cut -c1-240
+done
