@@ -72,6 +72,55 @@ def test_engine_plan_gives_equal_lengths_exactly_their_slots(tiny):
     assert plan.num_pages >= plan.num_slots * pages
 
 
+def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
+    """A build that leaves less than the measured workspace free once its graphs are captured: check_headroom
+    says by how much, build_shrinking builds again with that much (times HEADROOM_PAD) less cache budget, and the
+    last attempt keeps its build with a warning instead of failing."""
+    from dataclasses import replace
+
+    from pipeline.actors.engine.memory import (
+        BUILD_ATTEMPTS,
+        HEADROOM_PAD,
+        CachePlan,
+        HeadroomShortfall,
+        build_shrinking,
+        check_headroom,
+    )
+
+    gib = 2**30
+    limit, workspace = int(torch.randint(20, 80, ())) * gib, int(torch.randint(1, 3, ())) * gib
+    budget, deficit = limit - 2 * workspace, int(torch.randint(1, 2**28, ()))
+    plan = CachePlan(num_slots=8, num_pages=64, budget_bytes=budget, workspace_bytes=workspace, limit_bytes=limit)
+    check_headroom(plan, limit - workspace)  # exactly the workspace left free
+    with pytest.raises(HeadroomShortfall) as short:
+        check_headroom(plan, limit - workspace + deficit)
+    assert short.value.deficit_bytes == deficit and short.value.budget_bytes == budget
+    check_headroom(plan, limit - workspace + deficit, strict=False)
+    assert "less than the prefill workspace" in caplog.text
+    check_headroom(replace(plan, limit_bytes=0), 10 * limit)  # no device limit (a CPU): nothing to check
+
+    calls, released = [], []
+
+    def build(scale, final):
+        calls.append((scale, final))
+        if len(calls) == 1:
+            raise HeadroomShortfall(deficit, budget)
+
+    build_shrinking(build, released.append)
+    assert calls == [(1.0, False), (pytest.approx(1 - HEADROOM_PAD * deficit / budget), False)]
+    assert released == [True]
+
+    calls.clear(), released.clear()
+
+    def always_short(scale, final):
+        calls.append(final)
+        if not final:
+            raise HeadroomShortfall(deficit, budget)
+
+    build_shrinking(always_short, released.append)
+    assert calls == [False] * (BUILD_ATTEMPTS - 1) + [True] and released == [True] * (BUILD_ATTEMPTS - 1)
+
+
 def _failing_cache(monkeypatch, fails) -> list:
     """Patch the engine's EngineCache so that construction number n (from 1) raises a CUDA out-of-memory error
     where fails(n); returns the list of what each construction was asked for (slots, pages)."""

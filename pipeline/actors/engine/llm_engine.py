@@ -18,7 +18,7 @@ from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.kv_cache import EngineCache, engine_storage
-from pipeline.actors.engine.memory import build_shrinking, peak_memory_mb, plan_for
+from pipeline.actors.engine.memory import build_shrinking, check_headroom, peak_memory_mb, plan_for
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
@@ -50,7 +50,7 @@ class LLMEngine:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
         again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries)."""
         t0 = time.perf_counter()
-        build_shrinking(lambda scale: self._allocate(seqs, scale), self._release)
+        build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
         self.build_s = time.perf_counter() - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
                  self.cache.slot_bytes)
@@ -60,7 +60,7 @@ class LLMEngine:
         self.runner = self.cache = self.blocks = self.scheduler = None
         self.stats_acc["oom_retries"] += retrying
 
-    def _allocate(self, seqs: list[Sequence], budget_scale: float) -> None:
+    def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
         storage, cfg, fused = engine_storage(self.config, self.device), self.config, self._fused_layers()
         plan = plan_for(self.model, storage, cfg, [s.total_len for s in seqs], self.max_model_len, fused,
                         budget_scale=budget_scale)
@@ -73,6 +73,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
                                   max_len=self.max_model_len, layers=fused, tune_buckets=cfg.tune_buckets)
         self.plan = plan
+        if self.device.type == "cuda":  # the graphs' pool is known now: is the prefill workspace still free?
+            torch.cuda.empty_cache()
+            check_headroom(plan, torch.cuda.memory_reserved(self.device), strict=not final)
 
     def _fused_layers(self) -> FusedLayers | None:
         model_type = getattr(self.model.config, "model_type", None)

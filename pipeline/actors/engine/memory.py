@@ -15,6 +15,7 @@ from kivi.models import kv_shape
 log = logging.getLogger(__name__)
 BUILD_ATTEMPTS = 3  # cache builds tried after CUDA out-of-memory errors, each BUILD_SHRINK of the last's budget
 BUILD_SHRINK = 0.85
+HEADROOM_PAD = 1.1  # a build short of its workspace gives up this many times its deficit of cache budget
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,16 @@ class CachePlan:
     num_pages: int
     budget_bytes: int  # what the cache was allowed to take
     workspace_bytes: int  # measured activation peak set aside
+    limit_bytes: int = 0  # the whole limit the plan split (0: no device limit, as on a CPU)
+
+
+class HeadroomShortfall(Exception):
+    """A build that fits by the plan's numbers but leaves less than the measured workspace free once its decode
+    graphs are captured (their memory pool is only known then): the next build needs `deficit_bytes` less."""
+
+    def __init__(self, deficit_bytes: int, budget_bytes: int) -> None:
+        super().__init__(f"the build left {deficit_bytes / 2**30:.2f} GiB less than the prefill workspace free")
+        self.deficit_bytes, self.budget_bytes = deficit_bytes, budget_bytes
 
 
 def measure_workspace(model, prefill_tokens: int, vocab: int, max_batch: int) -> int:
@@ -89,7 +100,8 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
             f"{limit_bytes / 2**30:.2f} GiB (weights {used_bytes / 2**30:.2f} GiB, activations "
             f"{workspace_bytes / 2**30:.2f} GiB{scaled}); one sequence needs {min_pages} pages of {page_bytes} bytes"
         )
-    return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes)
+    return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes,
+                     limit_bytes=limit_bytes)
 
 
 def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None,
@@ -118,28 +130,49 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
                       budget_scale=budget_scale)
 
 
-def build_shrinking(build: Callable[[float], None], release: Callable[[bool], None]) -> None:
-    """build(budget_scale) from 1.0, then BUILD_SHRINK times the last scale after each CUDA out-of-memory error
-    (the plan's bytes are what fits by the numbers, but fragmentation, graph pools or another process on the GPU
-    can take more). After a failure release(retrying) drops what the attempt allocated, and its memory goes back
-    to the device once the error's frames are gone; after BUILD_ATTEMPTS failures a CUDA out-of-memory error with
-    the last one's message is raised (not the error itself: its traceback would keep the failed cache alive)."""
+def check_headroom(plan: CachePlan, reserved_bytes: int, strict: bool = True) -> None:
+    """Raise HeadroomShortfall (strict; else log a warning) if a build holding `reserved_bytes` (the allocator's
+    reserved memory once its free blocks went back: weights, cache and the decode graphs' pool) leaves less than
+    the plan's workspace free under its limit. The plan's 2% margin was meant to hold the graphs' pool; at 512
+    slots of Llama-3-8B under an 80 GiB cap it did not, and every first prefill ran out of memory
+    (engine-20261130-h200x2-llama3-80-*.json)."""
+    if not plan.limit_bytes:
+        return
+    free = plan.limit_bytes - reserved_bytes
+    if free < plan.workspace_bytes:
+        short = HeadroomShortfall(plan.workspace_bytes - free, plan.budget_bytes)
+        if strict:
+            raise short
+        log.warning("%s; prefills that run out of memory will be retried smaller", short)
+
+
+def build_shrinking(build: Callable[[float, bool], None], release: Callable[[bool], None]) -> None:
+    """build(budget_scale, final) from 1.0; after a CUDA out-of-memory error again at BUILD_SHRINK times the last
+    scale (the plan's bytes are what fits by the numbers, but fragmentation, graph pools or another process on the
+    GPU can take more), and after a HeadroomShortfall (which build raises only when not final) with its deficit
+    (and HEADROOM_PAD more) taken off the budget. After a failure release(retrying) drops what the attempt
+    allocated, and its memory goes back to the device once the error's frames are gone; after BUILD_ATTEMPTS
+    out-of-memory failures a CUDA out-of-memory error with the last one's message is raised (not the error itself:
+    its traceback would keep the failed cache alive)."""
     scale = 1.0
     for attempt in range(BUILD_ATTEMPTS):
+        final = attempt == BUILD_ATTEMPTS - 1
         try:
-            return build(scale)
+            return build(scale, final)
+        except HeadroomShortfall as short:
+            message = str(short)
+            next_scale = scale * max(0.5, 1 - HEADROOM_PAD * short.deficit_bytes / max(short.budget_bytes, 1))
         except torch.OutOfMemoryError as err:
-            message = str(err)
-        retrying = attempt < BUILD_ATTEMPTS - 1
-        release(retrying)
+            message, next_scale = str(err), scale * BUILD_SHRINK
+        release(not final)
         gc.collect()  # the cache's layers refer back to it: a cycle
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if not retrying:
+        if final:
             raise torch.OutOfMemoryError(f"{message} (building the KV cache, {BUILD_ATTEMPTS} tries down to "
                                          f"{scale:.0%} of its budget)")
-        scale *= BUILD_SHRINK
-        log.warning("CUDA out of memory building the cache: retrying with %.0f%% of its budget", 100 * scale)
+        scale = next_scale
+        log.warning("%s: building the cache again with %.1f%% of its budget", message, 100 * scale)
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:
