@@ -200,6 +200,7 @@ def _run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, 
         torch.cuda.synchronize(dev)
     build_s = time.perf_counter() - t0
     build_peak = peak_gib(dev)
+    build_retries = engine.stats().get("oom_retries", 0)  # builds redone for memory, before the timed region
     engine.reset_stats()
     tokenizer.__init__()
     fmt = kv_format(model, system, ctx.kivi_kw)
@@ -232,7 +233,8 @@ def _run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, 
         decode_steps=stats.get("decode_steps", 0), decode_s=stats.get("decode_s", 0.0), decode_bound_s=probe.bound_s,
         decode_compute_s=probe.compute_s, decode_floor_s=probe.floor_s,
         bound_steps=probe.steps, decode_rows=probe.rows, build_s=build_s, build_in_timed_region=not prebuilt,
-        build_peak_gib=build_peak, aborted_at_time_limit=aborted, oom_retries=stats.get("oom_retries"),
+        build_peak_gib=build_peak, build_retries=build_retries, aborted_at_time_limit=aborted,
+        oom_retries=stats.get("oom_retries"),
         num_slots=stats.get("num_slots"), num_pages=stats.get("num_pages"),
         workspace_gib=engine.plan.workspace_bytes / GiB if getattr(engine, "plan", None) else None,
         kv_cache_gib=stats.get("kv_cache_bytes", 0) / GiB, kv_cache_bf16_equiv_gib=stats.get("kv_cache_bytes_bf16", 0)
