@@ -20,6 +20,7 @@ _OPS = {
     "store_paged_decode": "kernels.paged_attention",
     "rms_norm": "kernels.rms_norm",
     "apply_rotary": "kernels.rotary",
+    "silu_mul": "kernels.silu_mul",
 }
 
 

@@ -11,7 +11,9 @@ With projections=True (the engine's default, EngineConfig.fused_projections) the
 attention and the gate/up products of each MLP also run as one matmul each (fuse_projections). With
 mlp_chunk_tokens=n (the engine's EngineConfig.mlp_chunk_tokens) an MLP called on more than n tokens runs on
 n at a time (chunk_mlps): a prefill forward's peak activations, which the engine sets aside from its cache
-budget, then hold one chunk's gate/up products instead of the whole forward's.
+budget, then hold one chunk's gate/up products instead of the whole forward's. With fused projections, SwiGLU
+MLPs (a SiLU act_fn) also run `ops.silu_mul` on the gate/up product (one kernel for act_fn(gate) * up, reading
+the product once; silu_mul_mlps), unless SILU_MUL is False.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ FUSED_MODEL_TYPES = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
 }
+
+
+SILU_MUL = True  # with projections: one SiLU-and-multiply kernel in SwiGLU MLPs (bench_engine's /act-unfused: off)
 
 
 def _rotary_takes(q, k, cos, sin, args, kwargs) -> bool:
@@ -108,10 +113,40 @@ def fuse_projections(model: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module
     return patches, stashes
 
 
-def chunk_mlps(model: torch.nn.Module, chunk_tokens: int) -> list[tuple[torch.nn.Module, Callable]]:
+def _is_silu(act) -> bool:
+    from transformers import activations
+
+    return type(act) in (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU))
+
+
+def silu_mul_mlps(model: torch.nn.Module, silu_mul: Callable) -> dict[torch.nn.Module, Callable]:
+    """Forwards for the SwiGLU MLP modules whose gate/up products were fused (fuse_projections; a SiLU act_fn):
+    down_proj(silu_mul(x @ [gate; up]^T)), i.e. transformers' down_proj(act_fn(gate_proj(x)) * up_proj(x)) with
+    the activation and the product as one kernel that reads the fused product once. Other MLPs are left out."""
+    forwards = {}
+    for module in model.modules():
+        gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        fused = getattr(gate, "_kivi_fused", None)
+        if fused is None or len(fused[2]) != 2 or not _is_silu(getattr(module, "act_fn", None)):
+            continue
+        weight, bias, _ = fused
+        if not isinstance(down, torch.nn.Module) or (
+                up.weight.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()):
+            continue
+
+        def forward(x, weight=weight, bias=bias, down=down):
+            return down(silu_mul(torch.nn.functional.linear(x, weight, bias)))  # [..., 2 I] -> [..., I] -> hidden
+
+        forwards[module] = forward
+    return forwards
+
+
+def chunk_mlps(model: torch.nn.Module, chunk_tokens: int,
+               forwards: dict[torch.nn.Module, Callable] | None = None) -> list[tuple[torch.nn.Module, Callable]]:
     """Forwards under which every MLP module (gate_proj, up_proj and down_proj) runs its input in chunks of at
     most chunk_tokens tokens, the outputs written into one tensor; calls on fewer tokens (decode) run as they are.
-    An MLP acts on each token alone, so only the matmuls' shapes change (their rounding may, by an ulp)."""
+    An MLP acts on each token alone, so only the matmuls' shapes change (their rounding may, by an ulp). Each
+    chunk runs `forwards[module]` where given (silu_mul_mlps), else the module's own forward."""
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"mlp_chunk_tokens must be a positive int, got {chunk_tokens!r}")
 
@@ -126,19 +161,20 @@ def chunk_mlps(model: torch.nn.Module, chunk_tokens: int) -> list[tuple[torch.nn
 
         return forward
 
-    names = ("gate_proj", "up_proj", "down_proj")
-    return [(module, chunked(module.forward)) for module in model.modules()
+    names, forwards = ("gate_proj", "up_proj", "down_proj"), forwards or {}
+    return [(module, chunked(forwards.get(module, module.forward))) for module in model.modules()
             if all(isinstance(getattr(module, n, None), torch.nn.Module) for n in names)]
 
 
 class FusedLayers:
     """Context manager: RMSNorm and rotary kernels of `ops` in `model`'s forward while it is open; with
     projections=True also one matmul for q/k/v and one for gate/up (fuse_projections: the weights become
-    views of fused tensors at construction, for good); with mlp_chunk_tokens, MLPs in chunks of that many
-    tokens (chunk_mlps)."""
+    views of fused tensors at construction, for good) and, with silu_mul (default SILU_MUL), one SiLU-and-multiply
+    kernel in SwiGLU MLPs (silu_mul_mlps); with mlp_chunk_tokens, MLPs in chunks of that many tokens
+    (chunk_mlps)."""
 
     def __init__(self, model: torch.nn.Module, ops: KernelOps, projections: bool = False,
-                 mlp_chunk_tokens: int | None = None) -> None:
+                 mlp_chunk_tokens: int | None = None, silu_mul: bool | None = None) -> None:
         model_type = getattr(model.config, "model_type", None)
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers do not support model_type {model_type!r} "
@@ -151,11 +187,16 @@ class FusedLayers:
         self.ops, self.depth, self.original_rotary, self.saved_forwards = ops, 0, None, []
         self.patches = [(module, self._norm_forward(module)) for module in self.norms]
         self.stashes: list[dict] = []
+        mlp_forwards = {}
         if projections:
             patches, self.stashes = fuse_projections(model)
             self.patches += patches
+            if SILU_MUL if silu_mul is None else silu_mul:
+                mlp_forwards = silu_mul_mlps(model, ops.silu_mul)
         if mlp_chunk_tokens is not None:
-            self.patches += chunk_mlps(model, mlp_chunk_tokens)
+            self.patches += chunk_mlps(model, mlp_chunk_tokens, mlp_forwards)
+        else:
+            self.patches += list(mlp_forwards.items())
 
     def _norm_forward(self, module: torch.nn.Module):
         rms_norm, eps = self.ops.rms_norm, float(module.variance_epsilon)
