@@ -38,6 +38,8 @@ How each number is measured:
                        H200's ~4,220 GB/s counts 3.1 ms, not the 6.4 ms of counting the copy's bytes once). The engine's
                        per-step batch and lengths come from a wrapper around ModelRunner.decode (class-level,
                        benchmark process only); hf steps have every row of the batch at prompt + step tokens.
+  weights_read_ms      engine: the weights' bytes alone (as in decode_bound_ms) at the copy bandwidth; step_over_weights
+                       is ms_per_decode_step over it (issue 3: within 2x at batch 8, e.g. --engine-max-batch 8)
   decode_compute_bound_ms  the same steps' FLOPs (2 x the parameters read per row, + 4 x layers x query heads x
                        head_dim per cached token) at the bf16 matmul rate measured at the start of the run (an
                        8192^3 product, median of 10; header matmul_tflops): a second floor, which the bytes bound

@@ -60,6 +60,8 @@ def finish_record(rec: dict, n: int, device: torch.device) -> dict:
     rec["decode_floor_ms"] = 1e3 * rec["decode_floor_s"] / bound_steps if bound_steps else None
     if rec["ms_per_decode_step"] and rec["decode_bound_ms"]:
         rec["step_over_bound"] = rec["ms_per_decode_step"] / rec["decode_bound_ms"]
+    if rec["ms_per_decode_step"] and rec.get("weights_read_ms"):  # issue 3: within 2x of it at batch 8
+        rec["step_over_weights"] = rec["ms_per_decode_step"] / rec["weights_read_ms"]
     rec["mean_decode_batch"] = rec["decode_rows"] / bound_steps if bound_steps else None
     pk = peak_gib(device)
     rec["peak_allocated_gib"] = max(x for x in (pk, rec.get("build_peak_gib")) if x is not None) if pk else None
