@@ -8,7 +8,8 @@
 #
 # SYSTEMS (default engine-kivi-2,engine-bf16,engine-kivi-4,hf-bf16), WINDOW_S (timed seconds per system and
 # cell, default 30) and BUDGET_S (start no run after this many seconds, default 480) apply to both lanes.
-# Results: $OUT/engine-gpu<i>.json and .log; the rows of both tables are printed last.
+# Results: $OUT/engine-gpu<i>.json and .log; the rows of both tables are printed last. On a machine of one GPU
+# the lanes run one after the other on it (then BUDGET_S counts from each lane's start).
 set -uo pipefail
 OUT=${OUT:-/tmp/matrix-device}
 SYSTEMS=${SYSTEMS:-engine-kivi-2,engine-bf16,engine-kivi-4,hf-bf16}
@@ -17,15 +18,21 @@ BUDGET_S=${BUDGET_S:-480}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 
-gpu=0
+GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+lane_run() {  # lane_run INDEX GPU ARGS...
+    local index=$1 device=$2
+    shift 2
+    CUDA_VISIBLE_DEVICES=$device python3 benchmarks/bench_engine.py "$@" --systems "$SYSTEMS" \
+        --max-seconds "$WINDOW_S" --budget-seconds "$BUDGET_S" --out "$OUT/engine-gpu$index.json" \
+        > "$OUT/engine-gpu$index.log" 2>&1
+}
+index=0
 for lane in "${LANE0:-}" "${LANE1:-}"; do
     if [ -n "$lane" ]; then
         # shellcheck disable=SC2086  # a lane is a list of bench_engine arguments
-        CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_engine.py $lane --systems "$SYSTEMS" \
-            --max-seconds "$WINDOW_S" --budget-seconds "$BUDGET_S" --out "$OUT/engine-gpu$gpu.json" \
-            > "$OUT/engine-gpu$gpu.log" 2>&1 &
+        if [ "$GPUS" -ge 2 ]; then lane_run $index $index $lane & else lane_run $index 0 $lane; fi
     fi
-    gpu=$((gpu + 1))
+    index=$((index + 1))
 done
 wait
 
