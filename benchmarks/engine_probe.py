@@ -130,15 +130,14 @@ VARIANTS = {
     "page-slack": dict(),  # the plan charges half a page more a sequence, as before (KERNEL_VARIANTS)
     "pairs": dict(),  # decode attention two 64-token blocks an online-softmax step (version 25; KERNEL_VARIANTS)
     "single": dict(),  # ... one block a step on every call (before version 25; KERNEL_VARIANTS)
-    "act-unfused": dict(),  # SwiGLU MLPs' act_fn(gate) * up as transformers' two ops, not silu_mul (KERNEL_VARIANTS)
+    "silu-mul": dict(fused_silu_mul=True),  # SwiGLU MLPs' act_fn(gate) * up as one kernel (kernels/silu_mul)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
 KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None),
                    "page-slack": ("pipeline.actors.engine.memory", "PAGE_SLACK", 0.5),
                    "pairs": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 2),
-                   "single": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1),
-                   "act-unfused": ("kivi.fused", "SILU_MUL", False)}
+                   "single": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1)}
 
 
 @contextmanager

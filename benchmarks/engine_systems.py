@@ -194,13 +194,13 @@ def _run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, 
     requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     prebuilt = build_engine(engine, requests)
+    build_retries = engine.stats().get("oom_retries", 0)  # builds redone for memory (before the warm-up's prefill)
     if prebuilt:  # compile the prefill path too, with one short request
         engine.generate([Request("warmup", prompts[0].ids, SamplingParams(max_new_tokens=2))])
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     build_s = time.perf_counter() - t0
     build_peak = peak_gib(dev)
-    build_retries = engine.stats().get("oom_retries", 0)  # builds redone for memory, before the timed region
     engine.reset_stats()
     tokenizer.__init__()
     fmt = kv_format(model, system, ctx.kivi_kw)

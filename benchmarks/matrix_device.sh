@@ -26,17 +26,18 @@ lane_run() {  # lane_run INDEX GPU ARGS...
         --max-seconds "$WINDOW_S" --budget-seconds "$BUDGET_S" --out "$OUT/engine-gpu$index.json" \
         > "$OUT/engine-gpu$index.log" 2>&1
 }
-index=0
+index=0 rc=0 pids=()
 for lane in "${LANE0:-}" "${LANE1:-}"; do
     if [ -n "$lane" ]; then
         # shellcheck disable=SC2086  # a lane is a list of bench_engine arguments
-        if [ "$GPUS" -ge 2 ]; then lane_run $index $index $lane & else lane_run $index 0 $lane; fi
+        if [ "$GPUS" -ge 2 ]; then lane_run $index $index $lane & pids+=($!); else lane_run $index 0 $lane || rc=1; fi
     fi
     index=$((index + 1))
 done
-wait
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
 
 for log in "$OUT"/engine-gpu*.log; do
     echo "== $log"
     grep -v '^{' "$log" | tail -n 24 | cut -c1-240
 done
+exit $rc

@@ -11,9 +11,9 @@ With projections=True (the engine's default, EngineConfig.fused_projections) the
 attention and the gate/up products of each MLP also run as one matmul each (fuse_projections). With
 mlp_chunk_tokens=n (the engine's EngineConfig.mlp_chunk_tokens) an MLP called on more than n tokens runs on
 n at a time (chunk_mlps): a prefill forward's peak activations, which the engine sets aside from its cache
-budget, then hold one chunk's gate/up products instead of the whole forward's. With fused projections, SwiGLU
-MLPs (a SiLU act_fn) also run `ops.silu_mul` on the gate/up product (one kernel for act_fn(gate) * up, reading
-the product once; silu_mul_mlps), unless SILU_MUL is False.
+budget, then hold one chunk's gate/up products instead of the whole forward's. With projections and
+silu_mul=True (the engine's EngineConfig.fused_silu_mul) SwiGLU MLPs (a SiLU act_fn) also run `ops.silu_mul` on
+the gate/up product: one kernel for act_fn(gate) * up, with no intermediate (silu_mul_mlps).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ FUSED_MODEL_TYPES = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
 }
-
-
-SILU_MUL = True  # with projections: one SiLU-and-multiply kernel in SwiGLU MLPs (bench_engine's /act-unfused: off)
 
 
 def _rotary_takes(q, k, cos, sin, args, kwargs) -> bool:
@@ -122,9 +119,12 @@ def _is_silu(act) -> bool:
 def silu_mul_mlps(model: torch.nn.Module, silu_mul: Callable) -> dict[torch.nn.Module, Callable]:
     """Forwards for the SwiGLU MLP modules whose gate/up products were fused (fuse_projections; a SiLU act_fn):
     down_proj(silu_mul(x @ [gate; up]^T)), i.e. transformers' down_proj(act_fn(gate_proj(x)) * up_proj(x)) with
-    the activation and the product as one kernel that reads the fused product once. Other MLPs are left out."""
+    the activation and the product as one kernel and no intermediate. Other MLPs are left out, and so are modules
+    with a forward of their own (accelerate's hooks), which this forward would bypass."""
     forwards = {}
     for module in model.modules():
+        if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+            continue
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         fused = getattr(gate, "_kivi_fused", None)
         if fused is None or len(fused[2]) != 2 or not _is_silu(getattr(module, "act_fn", None)):
@@ -169,12 +169,11 @@ def chunk_mlps(model: torch.nn.Module, chunk_tokens: int,
 class FusedLayers:
     """Context manager: RMSNorm and rotary kernels of `ops` in `model`'s forward while it is open; with
     projections=True also one matmul for q/k/v and one for gate/up (fuse_projections: the weights become
-    views of fused tensors at construction, for good) and, with silu_mul (default SILU_MUL), one SiLU-and-multiply
-    kernel in SwiGLU MLPs (silu_mul_mlps); with mlp_chunk_tokens, MLPs in chunks of that many tokens
-    (chunk_mlps)."""
+    views of fused tensors at construction, for good) and, with silu_mul too, one SiLU-and-multiply kernel in
+    SwiGLU MLPs (silu_mul_mlps); with mlp_chunk_tokens, MLPs in chunks of that many tokens (chunk_mlps)."""
 
     def __init__(self, model: torch.nn.Module, ops: KernelOps, projections: bool = False,
-                 mlp_chunk_tokens: int | None = None, silu_mul: bool | None = None) -> None:
+                 mlp_chunk_tokens: int | None = None, silu_mul: bool = False) -> None:
         model_type = getattr(model.config, "model_type", None)
         if model_type not in FUSED_MODEL_TYPES:
             raise ValueError(f"fused layers do not support model_type {model_type!r} "
@@ -191,7 +190,7 @@ class FusedLayers:
         if projections:
             patches, self.stashes = fuse_projections(model)
             self.patches += patches
-            if SILU_MUL if silu_mul is None else silu_mul:
+            if silu_mul:
                 mlp_forwards = silu_mul_mlps(model, ops.silu_mul)
         if mlp_chunk_tokens is not None:
             self.patches += chunk_mlps(model, mlp_chunk_tokens, mlp_forwards)

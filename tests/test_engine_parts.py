@@ -80,6 +80,7 @@ def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
 
     from pipeline.actors.engine.memory import (
         BUILD_ATTEMPTS,
+        BUILD_SHRINK,
         HEADROOM_PAD,
         CachePlan,
         HeadroomShortfall,
@@ -97,7 +98,8 @@ def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
     assert short.value.deficit_bytes == deficit and short.value.budget_bytes == budget
     check_headroom(plan, limit - workspace + deficit, strict=False)
     assert "less than the prefill workspace" in caplog.text
-    check_headroom(replace(plan, limit_bytes=0), 10 * limit)  # no device limit (a CPU): nothing to check
+    check_headroom(replace(plan, limit_bytes=0), 10 * limit)  # no limit given: nothing to check
+    check_headroom(plan, None)  # off a GPU (reserved_bytes is None): nothing to check
 
     calls, released = [], []
 
@@ -119,6 +121,42 @@ def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
 
     build_shrinking(always_short, released.append)
     assert calls == [False] * (BUILD_ATTEMPTS - 1) + [True] and released == [True] * (BUILD_ATTEMPTS - 1)
+
+    calls.clear(), released.clear()  # a shortfall past the whole budget halves it; an out-of-memory error: 0.85
+
+    def huge_then_oom(scale, final):
+        calls.append(scale)
+        if len(calls) == 1:
+            raise HeadroomShortfall(10 * budget, budget)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("simulated")
+
+    build_shrinking(huge_then_oom, released.append)
+    assert calls == [1.0, 0.5, pytest.approx(0.5 * BUILD_SHRINK)] and released == [True, True]
+
+
+def test_engine_short_of_its_workspace_builds_again_with_less_cache(tiny, monkeypatch):
+    """A build whose reserved memory leaves less than the workspace under the limit (as a GPU build whose graph
+    pool outgrew the plan's margin): the engine drops it, builds again with 1.1x the deficit less cache budget,
+    counts one retry, and completes the requests as an engine that never fell short."""
+    from pipeline.actors.engine import LLMEngine, llm_engine
+    from pipeline.actors.engine.memory import HEADROOM_PAD
+    from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
+
+    reqs = requests([9, 23, 14], [6, 11, 4], seed=int(torch.randint(0, 1000, ())))
+    config = EngineConfig(kivi=SMALL_KIVI, cpu_cache_gib=float(torch.randint(1, 4, ())) / 2**10)
+    clean = LLMEngine(tiny, StubTokenizer(), config)
+    expected = [c.token_ids for c in clean.generate(reqs)]
+    limit, budget = clean.plan.limit_bytes, clean.plan.budget_bytes  # a CPU plan: its limit is the cache budget
+    deficit = int(budget * float(torch.empty(()).uniform_(0.05, 0.3)))
+    seen = []
+    monkeypatch.setattr(llm_engine, "reserved_bytes", lambda device: seen.append(device) or (
+        limit + deficit if len(seen) == 1 else 0))
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    assert [c.token_ids for c in engine.generate(reqs)] == expected
+    assert len(seen) == 2 and engine.stats()["oom_retries"] == 1
+    assert engine.plan.budget_bytes == int(budget * (1 - HEADROOM_PAD * deficit / budget))
+    assert engine.plan.num_slots <= clean.plan.num_slots
 
 
 def _failing_cache(monkeypatch, fails) -> list:

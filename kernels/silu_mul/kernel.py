@@ -16,8 +16,10 @@ def silu_mul_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
 
-    # stage 1: the gate and up halves of each row, math in fp32
-    gate_ptrs = gate_up_ptr + rows[:, None] * stride_gate_up_row + cols[None, :]
+    # stage 1: the gate and up halves of each row, math in fp32 (row offsets in int64: a prefill's product can
+    # pass 2**31 elements)
+    row_offsets = rows.to(tl.int64)
+    gate_ptrs = gate_up_ptr + row_offsets[:, None] * stride_gate_up_row + cols[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
 
@@ -25,4 +27,5 @@ def silu_mul_kernel(
     # rounded once to the output dtype
     act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
     out = act * up
-    tl.store(out_ptr + rows[:, None] * stride_out_row + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + row_offsets[:, None] * stride_out_row + cols[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -32,9 +32,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty((*gate_up.shape[:-1], n_cols), dtype=gate_up.dtype, device=gate_up.device)
     n_rows = x2.shape[0]
-    if n_rows and (n_rows - 1) * x2.stride(0) + 2 * n_cols >= 2**31 or out.numel() >= 2**31:
-        raise ValueError(f"silu_mul offsets are int32: {n_rows} rows of stride {x2.stride(0)} reach too far, "
-                         "split the call")
     if n_rows == 0:
         return out
     block_n = min(BLOCK_N, triton.next_power_of_2(n_cols))

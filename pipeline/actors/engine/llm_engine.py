@@ -18,7 +18,7 @@ from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.kv_cache import EngineCache, engine_storage
-from pipeline.actors.engine.memory import build_shrinking, check_headroom, peak_memory_mb, plan_for
+from pipeline.actors.engine.memory import build_shrinking, check_headroom, peak_memory_mb, plan_for, reserved_bytes
 from pipeline.actors.engine.model_runner import ModelRunner
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
@@ -39,6 +39,7 @@ class LLMEngine:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
         self.runner: ModelRunner | None = None
+        self.plan = None  # memory.CachePlan of the cache built
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
         self.active: list[Submission] = []  # calls of add() with requests still in flight
         self.interrupt: Callable[[], bool] = lambda: False  # True: end a run of decode steps launched ahead
@@ -57,7 +58,7 @@ class LLMEngine:
 
     def _release(self, retrying: bool) -> None:
         """Drop a failed build's cache, graphs and tables (runner None: the next add() builds again)."""
-        self.runner = self.cache = self.blocks = self.scheduler = None
+        self.runner = self.cache = self.blocks = self.scheduler = self.plan = None
         self.stats_acc["oom_retries"] += retrying
 
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
@@ -72,10 +73,8 @@ class LLMEngine:
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
                                   max_len=self.max_model_len, layers=fused, tune_buckets=cfg.tune_buckets)
-        self.plan = plan
-        if self.device.type == "cuda":  # the graphs' pool is known now: is the prefill workspace still free?
-            torch.cuda.empty_cache()
-            check_headroom(plan, torch.cuda.memory_reserved(self.device), strict=not final)
+        self.plan = plan  # the graphs' pool is known now: is the prefill workspace still free?
+        check_headroom(plan, reserved_bytes(self.device), strict=not final)
 
     def _fused_layers(self) -> FusedLayers | None:
         model_type = getattr(self.model.config, "model_type", None)
@@ -85,7 +84,7 @@ class LLMEngine:
             log.info("no fused RMSNorm/rotary kernels for model_type %r: transformers' ops run", model_type)
             return None
         return FusedLayers(self.model, kernels.get_ops("triton"), projections=self.config.fused_projections,
-                           mlp_chunk_tokens=self.config.mlp_chunk_tokens)
+                           mlp_chunk_tokens=self.config.mlp_chunk_tokens, silu_mul=self.config.fused_silu_mul)
 
     # -- requests --------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:

@@ -24,7 +24,7 @@ class CachePlan:
     num_pages: int
     budget_bytes: int  # what the cache was allowed to take
     workspace_bytes: int  # measured activation peak set aside
-    limit_bytes: int = 0  # the whole limit the plan split (0: no device limit, as on a CPU)
+    limit_bytes: int = 0  # the whole limit the plan split (0: none given, nothing for check_headroom to check)
 
 
 class HeadroomShortfall(Exception):
@@ -94,7 +94,7 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
     num_pages = int((budget - num_slots * slot_bytes) // max(page_bytes, 1))
     num_pages = min(num_pages, num_slots * max_pages_per_slot)  # more could never be used
     if budget <= 0 or num_pages < min_pages:
-        scaled = f", {budget_scale:.0%} of it after running out of memory" if budget_scale < 1 else ""
+        scaled = f", {budget_scale:.0%} of it after a build ran short of memory" if budget_scale < 1 else ""
         raise ValueError(
             f"the KV cache does not fit: {budget / 2**30:.2f} GiB left for it under a limit of "
             f"{limit_bytes / 2**30:.2f} GiB (weights {used_bytes / 2**30:.2f} GiB, activations "
@@ -130,15 +130,23 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
                       budget_scale=budget_scale)
 
 
-def check_headroom(plan: CachePlan, reserved_bytes: int, strict: bool = True) -> None:
-    """Raise HeadroomShortfall (strict; else log a warning) if a build holding `reserved_bytes` (the allocator's
-    reserved memory once its free blocks went back: weights, cache and the decode graphs' pool) leaves less than
-    the plan's workspace free under its limit. The plan's 2% margin was meant to hold the graphs' pool; at 512
-    slots of Llama-3-8B under an 80 GiB cap it did not, and every first prefill ran out of memory
-    (engine-20261130-h200x2-llama3-80-*.json)."""
-    if not plan.limit_bytes:
+def reserved_bytes(device: torch.device) -> int | None:
+    """What the caching allocator holds on `device` once its free blocks went back: weights, cache and the decode
+    graphs' pool (None off a GPU, where the plan's limit is the cache alone)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
+
+
+def check_headroom(plan: CachePlan, reserved: int | None, strict: bool = True) -> None:
+    """Raise HeadroomShortfall (strict; else log a warning) if a build holding `reserved` bytes (reserved_bytes;
+    None: nothing to check) leaves less than the plan's workspace free under its limit. The plan's 2% margin was
+    meant to hold the graphs' pool; at 512 slots of Llama-3-8B under an 80 GiB cap it did not, and the first
+    prefill of workloads a, b, d and e ran out of memory (engine-20261130-h200x2-llama3-80-*.json)."""
+    if reserved is None or not plan.limit_bytes:
         return
-    free = plan.limit_bytes - reserved_bytes
+    free = plan.limit_bytes - reserved
     if free < plan.workspace_bytes:
         short = HeadroomShortfall(plan.workspace_bytes - free, plan.budget_bytes)
         if strict:
