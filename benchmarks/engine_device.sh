@@ -4,7 +4,7 @@
 #   bash benchmarks/engine_device.sh            # results under $OUT (or /tmp/engine-device)
 #
 # 1. The engine's and the fused layers' tests on the GPU (decode-ahead with sampled rows, fused projections,
-#    bf16 rotary bit-equality, CUDA graphs), at most 170 s; their log is $OUT/gpu-tests.log.
+#    silu_mul, bf16 rotary bit-equality, CUDA graphs), at most 170 s; their log is $OUT/gpu-tests.log.
 # 2. bench_engine on the Llama-2-7B shape at 40 GiB, workloads b and e, for engine-bf16, engine-kivi-2 and
 #    the variants in $VARIANTS (default: engine-kivi-2/separate), each in a window of $WINDOW_S seconds
 #    (default 35), inside what is left of a 570 s budget; results in $OUT/engine.json. Ratios between the
@@ -17,7 +17,7 @@ BUDGET_S=570
 mkdir -p "$OUT"
 
 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_fused_layers.py \
-    > "$OUT/gpu-tests.log" 2>&1
+    tests/test_silu_mul.py > "$OUT/gpu-tests.log" 2>&1
 echo "GPU tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 
 left=$((BUDGET_S - SECONDS))
