@@ -126,13 +126,13 @@ def silu_mul_mlps(model: torch.nn.Module, silu_mul: Callable) -> dict[torch.nn.M
         if "forward" in vars(module) or hasattr(module, "_hf_hook"):
             continue
         gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-        fused = getattr(gate, "_kivi_fused", None)
-        if fused is None or len(fused[2]) != 2 or not _is_silu(getattr(module, "act_fn", None)):
+        if not (type(gate) is type(up) is torch.nn.Linear and isinstance(down, torch.nn.Module)
+                and _is_silu(getattr(module, "act_fn", None))):
+            continue
+        fused = _fused_weights([gate, up])  # the one fuse_projections made (its weights are still slices of it)
+        if fused is None:
             continue
         weight, bias, _ = fused
-        if not isinstance(down, torch.nn.Module) or (
-                up.weight.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()):
-            continue
 
         def forward(x, weight=weight, bias=bias, down=down):
             return down(silu_mul(torch.nn.functional.linear(x, weight, bias)))  # [..., 2 I] -> [..., I] -> hidden

@@ -14,18 +14,10 @@ from kernels.rms_norm import reference as norm_ref
 from kernels.rotary import ops as rope_ops
 from kernels.rotary import reference as rope_ref
 from tests.compile_util import compile_for_sm90_many
+from tests.model_cases import DEVICE, tiny_lm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """torch.empty / torch.empty_like give NaN-filled tensors (restored after the test)."""
-    empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
 
 
 def _hf_rms_norm(x, weight, eps):
@@ -105,16 +97,6 @@ def test_rotary_and_rms_norm_refuse_bad_input():
         rope_ops.apply_rotary(q, q.half(), torch.ones(1, 3, 6, device=DEVICE), torch.ones(1, 3, 6, device=DEVICE))
 
 
-def _tiny(model_type: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-                                  max_position_embeddings=256, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(DEVICE).eval()
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_fused_layers_keep_the_model_output_and_restore_it(model_type, backend):
@@ -122,7 +104,7 @@ def test_fused_layers_keep_the_model_output_and_restore_it(model_type, backend):
     from kivi.fused import FusedLayers
 
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
-    model = _tiny(model_type, dtype)
+    model = tiny_lm(model_type, dtype)
     ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with torch.no_grad():
         before = model(ids).logits.float()
@@ -146,7 +128,7 @@ def test_fused_layers_fall_through_and_refuse_unknown_models():
     import kernels
     from kivi.fused import FusedLayers
 
-    model = _tiny("llama", torch.float32)
+    model = tiny_lm("llama", torch.float32)
     fused = FusedLayers(model, kernels.get_ops("reference"))
     with fused:
         q = torch.randn(1, 4, 3, 16, device=DEVICE)
@@ -188,7 +170,7 @@ def test_fused_projections_one_matmul_for_qkv_and_gate_up(model_type, monkeypatc
     import kernels
     from kivi.fused import FusedLayers
 
-    model = _tiny(model_type, torch.float32)
+    model = tiny_lm(model_type, torch.float32)
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     params_before = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
@@ -232,7 +214,7 @@ def test_fused_layers_enter_is_all_or_nothing(monkeypatch):
     import kernels
     from kivi.fused import FusedLayers
 
-    model = _tiny("llama", torch.float32)
+    model = tiny_lm("llama", torch.float32)
     fused = FusedLayers(model, kernels.get_ops("reference"))
     monkeypatch.setattr(fused, "_rotary", lambda original: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
@@ -249,7 +231,7 @@ def test_mlp_chunks_keep_the_output_and_bound_each_call(projections, monkeypatch
     import kernels
     from kivi.fused import FusedLayers
 
-    model = _tiny("llama", torch.float32)
+    model = tiny_lm("llama", torch.float32)
     ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(int(torch.randint(99, ())))).to(DEVICE)
     mlp = model.model.layers[1].mlp
     rows, down = [], mlp.down_proj.forward

@@ -11,20 +11,14 @@ import torch
 
 from kernels.silu_mul import ops, reference
 from tests.compile_util import compile_for_sm90_many
+from tests.model_cases import DEVICE, tiny_lm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # 16-bit outputs: silu(gate) is rounded to the dtype before the product, as transformers rounds act_fn's output;
 # exp's last fp32 bit may differ between Triton and torch, which moves ~0.01% of outputs by an ulp. A kernel that
 # skipped that rounding differs in ~26% of them.
 EXACT_FRACTION = 0.995
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
 
 
 def _check(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -78,15 +72,6 @@ def test_silu_mul_compiles_for_h200():
     assert [r["cubin_bytes"] > 0 for r in results] == [True] * 2
 
 
-def _tiny(hidden_act: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-                                  max_position_embeddings=256, hidden_act=hidden_act, attn_implementation="sdpa")
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(DEVICE).eval()
-
-
 @pytest.mark.parametrize("case", ["silu", "silu-off", "gelu", "hooked"])
 def test_fused_layers_run_swiglu_mlps_through_silu_mul(case):
     """FusedLayers(projections=True, silu_mul=True): each SwiGLU MLP calls silu_mul once per forward on the fused
@@ -95,7 +80,7 @@ def test_fused_layers_run_swiglu_mlps_through_silu_mul(case):
     import kernels
     from kivi.fused import FusedLayers
 
-    model = _tiny("gelu" if case == "gelu" else "silu")
+    model = tiny_lm(hidden_act="gelu" if case == "gelu" else "silu")
     if case == "hooked":
         for layer in model.model.layers:
             layer.mlp.forward = layer.mlp.forward  # an instance forward, as a hook's wrapper sets one
