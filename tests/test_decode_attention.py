@@ -167,7 +167,10 @@ def test_merge_splits_matches_a_log_sum_exp_merge(num_splits, head_dim):
     ws_lse = (4 * torch.randn(b, hq, num_splits, generator=gen)).to(DEVICE)
     ws_lse[torch.rand(b, hq, num_splits, generator=gen).to(DEVICE) < 0.3] = -math.inf
     ws_lse[1, 2] = -math.inf
-    out = torch.full((b, hq, head_dim), math.nan, dtype=torch.bfloat16, device=DEVICE)
+    # bf16 on a GPU; fp16 under the CPU interpreter, whose bf16 conversion truncates (an output of -4.246 came
+    # back -4.219: past the tolerance at |x| >= 4 in ~4% of runs), where fp16's truncation stays under 0.004
+    out_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    out = torch.full((b, hq, head_dim), math.nan, dtype=out_dtype, device=DEVICE)
     merge_splits(ws_o, ws_lse, out)
     m = ws_lse.amax(-1, keepdim=True)
     w = torch.exp2(ws_lse - torch.where(m == -math.inf, 0.0, m))  # [B, Hq, S]
