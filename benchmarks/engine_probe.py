@@ -131,6 +131,7 @@ VARIANTS = {
     "pairs": dict(),  # decode attention two 64-token blocks an online-softmax step (version 25; KERNEL_VARIANTS)
     "single": dict(),  # ... one block a step on every call (before version 25; KERNEL_VARIANTS)
     "silu-mul": dict(fused_silu_mul=True),  # SwiGLU MLPs' act_fn(gate) * up as one kernel (kernels/silu_mul)
+    "separate-act": dict(fused_silu_mul=False),  # ... as transformers' two ops (the default before 2026-11-30)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
