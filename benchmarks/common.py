@@ -114,5 +114,12 @@ def write_json(path: str | os.PathLike, obj) -> None:
     os.replace(tmp, path)
 
 
+def finish(path: str | os.PathLike | None, result: dict) -> None:
+    """End a benchmark: write `result` to `path` (when given), then print it as the last line, one JSON object."""
+    if path:
+        write_json(path, result)
+    print(json.dumps(result, default=str))
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

@@ -11,7 +11,6 @@ cache's 24.7 GiB).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import env_header, write_json  # noqa: E402
+from common import env_header, finish  # noqa: E402
 from engine_probe import build_engine, engine_config  # noqa: E402
 from engine_setup import MODELS, WORKLOADS, GiB, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
 
@@ -66,9 +65,7 @@ def main() -> None:
                page_bytes=engine.cache.page_bytes, params_gib=sum(p.numel() * 2 for p in model.parameters()) / GiB,
                buffers_gib=sum(b.numel() * b.element_size() for b in model.buffers()) / GiB)
     out = dict(header=env_header(dev), args=vars(args), **out)
-    if args.out:
-        write_json(args.out, out)
-    print(json.dumps(out))
+    finish(args.out, out)
 
 
 if __name__ == "__main__":

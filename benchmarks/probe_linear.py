@@ -17,14 +17,13 @@ a transposed copy as a second layout.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
-from common import copy_bandwidth, env_header, write_json  # noqa: E402
+from common import copy_bandwidth, env_header, finish  # noqa: E402
 from gpu_timing import time_graph  # noqa: E402
 
 SHAPES = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096),
@@ -70,9 +69,7 @@ def main() -> None:
         records.append(width_record(m, weights, transposed))
         print(records[-1], flush=True)
     result = {"header": header, "records": records}
-    if args.out:
-        write_json(args.out, result)
-    print(json.dumps(result))
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

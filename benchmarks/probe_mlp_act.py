@@ -18,14 +18,13 @@ the L2 cache (gpu_timing.time_graph). Bytes: the product read once and the outpu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 import torch  # noqa: E402
-from common import copy_bandwidth, env_header, write_json  # noqa: E402
+from common import copy_bandwidth, env_header, finish  # noqa: E402
 from gpu_timing import cuda_generator, l2_bytes, sets_for, time_graph  # noqa: E402
 
 from kernels.silu_mul import ops, reference  # noqa: E402
@@ -70,9 +69,7 @@ def main() -> None:
             records.append(record(rows, inter, copy["gbs"], gen))
             print({k: v for k, v in records[-1].items() if not k.endswith("max_err")}, flush=True)
     result = {"header": dict(env_header(dev), copy_bandwidth_gbs=copy["gbs"]), "records": records}
-    if args.out:
-        write_json(args.out, result)
-    print(json.dumps(result))
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -71,7 +70,7 @@ def probe(B: int, L: int, Hq: int, H: int, l2: int, step_blocks=(1,)) -> list[di
 
 
 def main() -> None:
-    from common import env_header, write_json
+    from common import env_header, finish
     from gpu_timing import l2_bytes
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,9 +95,7 @@ def main() -> None:
             print(f"B={B} L={L} {Hq}/{H} splits={rec['num_splits']} step_blocks={rec['step_blocks']} pdl={pdl} "
                   f"graph {rec['graph_us']} us  {rec['kernels']}", flush=True)
     result = dict(header=env_header(torch.device("cuda")), records=records)
-    if args.out:
-        write_json(args.out, result)
-    print(json.dumps(result))
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ only checks that the script runs).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 import torch  # noqa: E402
-from common import env_header, write_json  # noqa: E402
+from common import env_header, finish  # noqa: E402
 from engine_probe import engine_config, instrumented_runner  # noqa: E402
 from engine_setup import MODELS, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
 from profile_step import TINY  # noqa: E402
@@ -91,9 +90,7 @@ def main() -> None:
     n, prompt_len, new = (args.prompts, args.prompt_len, args.new_tokens) if cuda else (4, 16, 8)
     result = measure(model, args.system, n, prompt_len, new, args.cap_gib, cuda)
     report = dict(header=env_header(device), args=vars(args), result=result)
-    if args.out:
-        write_json(args.out, report)
-    print(json.dumps(report))
+    finish(args.out, report)
 
 
 if __name__ == "__main__":
