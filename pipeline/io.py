@@ -203,6 +203,9 @@ def _plan_hf(url: str, cfg: JobConfig) -> InputPlan:
         if split not in ds:
             raise ValueError(f"dataset {url!r} has no split {split!r} (splits: {splits})")
         ds = ds[split]
+    elif cfg.split is not None:
+        raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; dataset {url!r} is a "
+                         "single Dataset (drop --split)")
     n, size = len(ds), cfg.hf_shard_rows
     shards = [Shard(f"rows-{s:09d}-{min(s + size, n) - 1:09d}", min(size, n - s), start=s) for s in range(0, n, size)]
     return InputPlan("hf", shards, ds.data.schema, source="", hf_dataset=ds)

@@ -67,16 +67,21 @@ def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
 _BEFORE_FIELD = {"kv_scale_dtype": lambda previous: "model" if previous.get("kivi") else None}
 
 
-def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str) -> None:
-    """ValueError when a complete shard of `output` that this run keeps was made with other settings."""
+def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str,
+                 input_shards: set[str] = frozenset()) -> None:
+    """ValueError when a complete shard of `output` that this run keeps was made with other settings.
+    `input_shards`: the names of this input's shards (--overwrite redoes those; it keeps any other shard)."""
     for name, previous in sorted(recorded.items()):
         if previous is None:
             continue
         previous = {**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous}
         changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
         if changed:
+            remedy = ("rerun with the same settings, --overwrite to redo every shard of this input, or a new --output"
+                      if name in input_shards else
+                      "it is not a shard of this input, so --overwrite keeps it too: use a new --output, or remove "
+                      "that shard's files from it")
             raise ValueError(
                 f"output {output!r} holds shard {name!r} made with other settings ({'; '.join(changed)}): this "
-                "run would mix rows of two jobs; rerun with the same settings, --overwrite to redo every shard of "
-                "this input, or a new --output"
+                f"run would mix rows of two jobs; {remedy}"
             )

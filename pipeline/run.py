@@ -32,7 +32,7 @@ def run(job: JobConfig) -> dict[str, Any]:
     todo = [s for s in plan.shards if s.name not in done]
     settings = resume.row_settings(job, plan)
     kept = sorted(complete - {s.name for s in todo})  # every complete shard this run does not redo
-    resume.check_resume(settings, resume.shard_settings(store, kept), job.output)
+    resume.check_resume(settings, resume.shard_settings(store, kept), job.output, {s.name for s in plan.shards})
     log.info(
         "input %s: %d shards, %d rows (%s prompts); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",
@@ -71,6 +71,8 @@ def check_model(job: JobConfig) -> None:
     model, gguf_file = model_location(job)  # "~" already expanded
     if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
         raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
+    if model.startswith((".", "/")) and os.path.isfile(model):
+        raise ValueError(f"model {model!r} is a file: give a model folder or a .gguf file")
     if model.startswith((".", "/")) and not os.path.isdir(model):
         raise ValueError(f"model folder {model!r} not found")
     try:
@@ -115,9 +117,10 @@ def cpu_share(cpus: float, actors: int) -> float:
 
 def rows_per_call(total: int, pool: int, max_batch_size: int) -> int:
     """Rows per actor call when --batch-size is not given: a full engine batch, so that with CALLS_PER_ACTOR
-    calls in flight the engine always has a call's rows waiting, unless that would leave actors of the pool
-    without a call."""
-    return max(1, min(max_batch_size, math.ceil(total / pool)))
+    calls in flight the engine always has a call's rows waiting, unless that would leave call slots of the pool
+    without a call. Counting slots, not actors: Ray Data gives an actor that is ready first as many calls as it
+    runs at once, so a call an actor would leave a pool's later actors idle on a small input."""
+    return max(1, min(max_batch_size, math.ceil(total / (pool * CALLS_PER_ACTOR))))
 
 
 def actor_pool(size: int) -> dict[str, Any]:

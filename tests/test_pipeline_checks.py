@@ -64,6 +64,18 @@ def test_split_is_for_a_dataset_dict(tmp_path):
         plan_input(JobConfig(output="o", input=str(tmp_path / "a.parquet"), split="train"))
 
 
+def test_split_is_refused_on_a_single_saved_dataset(tmp_path):
+    """A folder from Dataset.save_to_disk has no splits: --split there is a bad flag, not something to ignore
+    (and record in the shards, where a rerun without it would then be refused)."""
+    datasets = pytest.importorskip("datasets")
+    n = random.randint(1, 9)
+    datasets.Dataset.from_dict({"prompt": [f"p{i}" for i in range(n)]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(ValueError, match=r"split='train' applies to a saved Hugging Face DatasetDict; .* single "
+                                         r"Dataset \(drop --split\)"):
+        plan_input(JobConfig(output="o", input=str(tmp_path / "ds"), split="train"))
+    assert sum(s.num_rows for s in plan_input(JobConfig(output="o", input=str(tmp_path / "ds"))).shards) == n
+
+
 def test_gguf_file_as_model():
     assert model_location(JobConfig(output="o", model="/m/x/SmolLM2.Q4_1.gguf")) == ("/m/x", "SmolLM2.Q4_1.gguf")
     assert model_location(JobConfig(output="o", model="x.gguf")) == (".", "x.gguf")
@@ -108,14 +120,20 @@ def test_a_run_that_does_not_redo_a_shard_must_match_it(tmp_path, tiny_model):
     write(tmp_path / "in2/b.parquet", prompt=["q"])
     old = JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in1"), model=tiny_model)
     complete_output(tmp_path, old)
-    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input "):
-        run(JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in2"), model=tiny_model))
+    other_input = dict(output=str(tmp_path / "out"), input=str(tmp_path / "in2"), model=tiny_model)
+    for overwrite in (False, True):  # --overwrite redoes in2's shards only: a is kept, so it is refused, and the
+        # message must not offer --overwrite as the way out
+        with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input .*not a shard of this "
+                                             r"input, so --overwrite keeps it too") as info:
+            run(JobConfig(**other_input, overwrite=overwrite))
+        assert "--overwrite to redo" not in str(info.value)
 
     write(tmp_path / "in1/b.parquet", prompt=["q"])
     complete_output(tmp_path, old, name="b")
     new = JobConfig(output=str(tmp_path / "out"), input=str(tmp_path / "in1"), model=tiny_model, max_new_tokens=9)
     complete_output(tmp_path, new, name="a")  # what an interrupted --overwrite run leaves
-    with pytest.raises(ValueError, match=r"shard 'b' made with other settings \(max_new_tokens 64 -> 9"):
+    with pytest.raises(ValueError, match=r"shard 'b' made with other settings \(max_new_tokens 64 -> 9.*"
+                                         r"--overwrite to redo every shard of this input"):
         run(new)
 
 
@@ -189,13 +207,13 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("pool", [1, 2, 8])
 @pytest.mark.parametrize("width", [4, 256])
 def test_rows_per_call_keeps_the_engine_wide_and_the_pool_busy(total, pool, width):
-    from pipeline.run import rows_per_call
+    from pipeline.run import CALLS_PER_ACTOR, rows_per_call
 
     rows = rows_per_call(total, pool, width)
     assert 1 <= rows <= width  # a bounded call: resume, progress and the driver's memory stay fine-grained
-    calls = -(-total // rows)
-    assert calls >= min(pool, total)  # every actor of the pool gets a call
-    assert rows >= min(width, total // pool)  # and each call as many rows as that allows, to keep the engine fed
+    calls, slots = -(-total // rows), pool * CALLS_PER_ACTOR
+    assert calls >= min(slots, total)  # every call slot of the pool gets a call, whichever actor is ready first
+    assert rows >= min(width, total // slots)  # and each call as many rows as that allows, to keep the engine fed
 
 
 @pytest.mark.parametrize("argv", [["--kv-bits", "3"], ["--max-new-tokens", "0"], ["--temperature", "-1"]])

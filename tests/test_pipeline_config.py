@@ -4,11 +4,12 @@ shards from folders, globs and Hugging Face datasets, column checks, and the CLI
 from __future__ import annotations
 
 import argparse
+import random
 
 import pyarrow as pa
 import pytest
 
-from jobs.generate import add_arguments, main
+from jobs.generate import add_arguments, main, text_flag
 from pipeline.config import JobConfig, build, load_yaml
 from pipeline.io import plan_input
 from tests.pipeline_cases import fake_actor, write
@@ -41,6 +42,22 @@ def test_ignore_eos_from_file_flag_and_row(tmp_path):
     add_arguments(parser)
     assert vars(parser.parse_args(["--output", "o", "--ignore-eos"]))["ignore_eos"] is True
     assert vars(parser.parse_args(["--no-ignore-eos"]))["ignore_eos"] is False
+
+
+def test_text_flags_read_shell_escapes():
+    """--prompt-template and --stop typed in a shell's quotes: \\n is a newline, \\t a tab, \\\\ a backslash (a
+    template typed as in the README must not reach the model with a literal backslash-n); other backslashes stay."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = vars(parser.parse_args(["--prompt-template", r"Context: {context}\nQuestion: {q}\tA:", "--stop", r"\n",
+                                   "--stop", r"a\b"]))
+    assert args["prompt_template"] == "Context: {context}\nQuestion: {q}\tA:"
+    assert args["stop"] == ["\n", "a\\b"]
+    rng = random.Random()
+    for _ in range(50):  # any text survives being typed with its escapes spelled out
+        text = "".join(rng.choice("ab{}\n\t\\ ") for _ in range(rng.randint(0, 30)))
+        typed = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+        assert text_flag(typed) == text
 
 
 @pytest.mark.parametrize(
@@ -160,6 +177,7 @@ def test_unreadable_inputs(tmp_path):
         (["--input", "NO_PROMPT"], "no 'prompt' or 'messages' column"),
         (["--input", "NO_PROMPT", "--prompt-template", "{question}"], "needs columns ['question']"),
         (["--model", "./no-such-model"], "model folder"),
+        (["--model", "NO_PROMPT"], "is a file: give a model folder or a .gguf file"),  # an existing non-model file
     ],
 )
 def test_cli_fails_before_ray(tmp_path, capsys, argv, message):
