@@ -109,8 +109,9 @@ class JobConfig:
         )
 
     def model_dtype(self) -> str:
-        """The dtype the model loads in: "auto" is bfloat16, on the CPU too (as fast as fp32 there, measured), so
-        the cache holds what a bf16 cache would and its size compares with kv_cache_bytes_bf16 like for like."""
+        """The dtype the model loads in: "auto" is bfloat16, on the CPU too, so the cache holds what a bf16 cache
+        would and its size compares with kv_cache_bytes_bf16 like for like (on a CPU without bf16 arithmetic
+        float32 is faster; the actor warns there: pipeline.actors.actor.cpu_dtype_hint)."""
         return "bfloat16" if self.dtype == "auto" else self.dtype
 
     def sampling_defaults(self):

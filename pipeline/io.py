@@ -203,7 +203,7 @@ def _plan_hf(url: str, cfg: JobConfig) -> InputPlan:
         if split not in ds:
             raise ValueError(f"dataset {url!r} has no split {split!r} (splits: {splits})")
         ds = ds[split]
-    elif cfg.split is not None:
+    elif cfg.split:
         raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; dataset {url!r} is a "
                          "single Dataset (drop --split)")
     n, size = len(ds), cfg.hf_shard_rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,20 +69,23 @@ _BEFORE_FIELD = {"kv_scale_dtype": lambda previous: "model" if previous.get("kiv
 
 
 def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str,
-                 input_shards: set[str] = frozenset()) -> None:
+                 input_shards: AbstractSet[str]) -> None:
     """ValueError when a complete shard of `output` that this run keeps was made with other settings.
-    `input_shards`: the names of this input's shards (--overwrite redoes those; it keeps any other shard)."""
+    `input_shards`: the names of this input's shards (--overwrite redoes those; it keeps any other shard), so a
+    mismatched shard of another input is reported first: --overwrite would not fix that one."""
+    mismatched = []
     for name, previous in sorted(recorded.items()):
         if previous is None:
             continue
         previous = {**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous}
         changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
         if changed:
-            remedy = ("rerun with the same settings, --overwrite to redo every shard of this input, or a new --output"
-                      if name in input_shards else
-                      "it is not a shard of this input, so --overwrite keeps it too: use a new --output, or remove "
-                      "that shard's files from it")
-            raise ValueError(
-                f"output {output!r} holds shard {name!r} made with other settings ({'; '.join(changed)}): this "
-                f"run would mix rows of two jobs; {remedy}"
-            )
+            mismatched.append((name in input_shards, name, changed))
+    if not mismatched:
+        return
+    own, name, changed = min(mismatched)  # another input's shard (own=False) first
+    remedy = ("rerun with the same settings, --overwrite to redo every shard of this input, or a new --output" if own
+              else f"it is not a shard of this input, so --overwrite keeps it too: use a new --output, or remove "
+                   f"{name}.parquet and _stats/{name}.parquet from it")
+    raise ValueError(f"output {output!r} holds shard {name!r} made with other settings ({'; '.join(changed)}): this "
+                     f"run would mix rows of two jobs; {remedy}")

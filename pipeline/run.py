@@ -71,7 +71,7 @@ def check_model(job: JobConfig) -> None:
     model, gguf_file = model_location(job)  # "~" already expanded
     if gguf_file is not None and not os.path.isfile(os.path.join(model, gguf_file)):
         raise ValueError(f"gguf_file {gguf_file!r} not found in model folder {model!r}")
-    if model.startswith((".", "/")) and os.path.isfile(model):
+    if os.path.isfile(model):
         raise ValueError(f"model {model!r} is a file: give a model folder or a .gguf file")
     if model.startswith((".", "/")) and not os.path.isdir(model):
         raise ValueError(f"model folder {model!r} not found")
@@ -118,8 +118,9 @@ def cpu_share(cpus: float, actors: int) -> float:
 def rows_per_call(total: int, pool: int, max_batch_size: int) -> int:
     """Rows per actor call when --batch-size is not given: a full engine batch, so that with CALLS_PER_ACTOR
     calls in flight the engine always has a call's rows waiting, unless that would leave call slots of the pool
-    without a call. Counting slots, not actors: Ray Data gives an actor that is ready first as many calls as it
-    runs at once, so a call an actor would leave a pool's later actors idle on a small input."""
+    without a call. Slots, not actors: Ray Data gives an actor that is ready first as many calls as it runs at
+    once, so with one call per actor a small input's calls could all go to the first actors while the others
+    load."""
     return max(1, min(max_batch_size, math.ceil(total / (pool * CALLS_PER_ACTOR))))
 
 

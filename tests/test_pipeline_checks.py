@@ -137,6 +137,21 @@ def test_a_run_that_does_not_redo_a_shard_must_match_it(tmp_path, tiny_model):
         run(new)
 
 
+def test_another_inputs_shard_is_reported_before_this_inputs():
+    """When kept shards of this input and of another both differ, the error names the other input's (whose
+    remedy is not --overwrite), whatever the names' order; with only this input's, it offers --overwrite."""
+    from pipeline.resume import check_resume
+
+    now = {"input": "in2", "max_new_tokens": random.randint(1, 50)}
+    recorded = {"a": dict(now, max_new_tokens=now["max_new_tokens"] + 1), "m": None, "z": dict(now, input="in1")}
+    with pytest.raises(ValueError, match=r"shard 'z' .*not a shard of this input.*remove z\.parquet and "
+                                         r"_stats/z\.parquet"):
+        check_resume(now, recorded, "out", {"a", "m"})
+    with pytest.raises(ValueError, match=r"shard 'a' .*--overwrite to redo every shard of this input"):
+        check_resume(now, recorded, "out", {"a", "m", "z"})
+    check_resume(now, {"a": dict(now), "m": None}, "out", {"a"})
+
+
 def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
     """Shards written before kv_scale_dtype was recorded were made with scales in the model's dtype: a run with
     fp16 scales (the default now) must not mix its rows with theirs; "model" matches them, as does any run
@@ -146,9 +161,9 @@ def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
     old = {"kivi": True, "kv_bits": 2, "max_new_tokens": 8}
     now = dict(old, kv_scale_dtype="float16")
     with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(kv_scale_dtype 'model' -> 'float16'"):
-        check_resume(now, {"a": old}, "out")
-    check_resume(dict(now, kv_scale_dtype="model"), {"a": old}, "out")
-    check_resume(dict(now, kivi=False, kv_scale_dtype=None), {"a": dict(old, kivi=False)}, "out")
+        check_resume(now, {"a": old}, "out", {"a"})
+    check_resume(dict(now, kv_scale_dtype="model"), {"a": old}, "out", {"a"})
+    check_resume(dict(now, kivi=False, kv_scale_dtype=None), {"a": dict(old, kivi=False)}, "out", {"a"})
 
 
 def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):

@@ -21,16 +21,20 @@ from tests.pipeline_cases import FakeEngine, FakeTokenizer, fake_actor, write
 # --- prompts ---
 
 
-def test_cpu_dtype_hint_only_for_bf16_on_a_cpu_without_bf16():
+def test_cpu_dtype_hint_only_for_bf16_on_a_cpu_without_bf16(tmp_path):
     """The actor warns when a bfloat16 model runs on a CPU without bf16 hardware (4x slower matmuls than fp32 on
     the CI machine's AVX-512 Xeon), and only then: not on a GPU, not in another dtype, not where unknown."""
     assert "--dtype float32" in cpu_dtype_hint("bfloat16", False, False)
     for dtype, cuda, native in [("bfloat16", True, False), ("bfloat16", False, True), ("bfloat16", False, None),
                                 ("float32", False, False), ("float16", False, False)]:
         assert cpu_dtype_hint(dtype, cuda, native) is None
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            assert cpu_has_native_bf16() is any(flag in f.read().split() for flag in ("avx512_bf16", "amx_bf16"))
+    cases = {"flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile": True, "flags : fpu amx_bf16": True,
+             "Features\t: fp asimd bf16 i8mm": True, "flags\t\t: fpu avx2 avx512f avx512_vnni": False,
+             "Features\t: fp asimd sve": False}
+    for text, native in cases.items():
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\n{text}\n")
+        assert cpu_has_native_bf16(str(tmp_path / "cpuinfo")) is native, text
+    assert cpu_has_native_bf16(str(tmp_path / "absent")) is None
 
 
 def test_prompt_sources():
