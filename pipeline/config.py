@@ -163,7 +163,13 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in settings:  # `max_new_tokens` and `max-new-tokens` both: which one wins is not for us to guess
+            raise ValueError(f"config file {str(path)!r} sets {name!r} twice (once as {str(key)!r})")
+        settings[name] = value
+    return settings
 
 
 def build(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> JobConfig:

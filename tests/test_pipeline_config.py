@@ -91,6 +91,12 @@ def test_bad_yaml_file(tmp_path):
         load_yaml(tmp_path / "bad.yaml")
     with pytest.raises(ValueError, match="cannot read"):
         load_yaml(tmp_path / "missing.yaml")
+    n, m = random.sample(range(1, 100), 2)  # one setting under both spellings: refused, whichever comes last
+    (tmp_path / "twice.yaml").write_text(f"output: o\nmax_new_tokens: {n}\nmax-new-tokens: {m}\n")
+    with pytest.raises(ValueError, match="sets 'max_new_tokens' twice"):
+        load_yaml(tmp_path / "twice.yaml")
+    (tmp_path / "once.yaml").write_text(f"output: o\nmax-new-tokens: {m}\n")
+    assert load_yaml(tmp_path / "once.yaml") == {"output": "o", "max_new_tokens": m}
 
 
 # --- input planning ---
