@@ -170,7 +170,8 @@ def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:
         f for f in files if f.endswith(".parquet") and not any(p.startswith((".", "_")) for p in rel(f).split("/"))
     )
     if not files:
-        raise ValueError(f"input {url!r} holds no .parquet files")
+        what = "matches no .parquet files" if _has_glob(path) else "holds no .parquet files"
+        raise ValueError(f"input {url!r} {what}")
     return files, root
 
 

@@ -152,7 +152,8 @@ def _generate(job: JobConfig, plan: InputPlan, shards: list[Shard], assembler: S
     resources = {"num_gpus": per_actor} if gpus else {"num_cpus": cpu_share(cpus, size)}
     if gpus and size * per_actor > gpus:
         log.warning("%d actors of %g GPU each on a cluster with %d GPUs: the rest wait for GPUs", size, per_actor, gpus)
-    log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total, batch_size)
+    log.info("actor pool: %d actors, each with %s; %d rows in batches of %d", size, resources, total,
+             min(batch_size, total))
     # streaming repartition into blocks of one actor call each: actors take blocks, so a few large
     # blocks (small inputs are read into one) would leave the rest of the pool idle
     counter = ray.remote(num_cpus=0)(LiveCounter).remote()  # the engines' live rows and tokens

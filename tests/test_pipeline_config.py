@@ -170,8 +170,10 @@ def test_unreadable_inputs(tmp_path):
     with pytest.raises(ValueError, match="cannot read parquet file .*junk.parquet"):
         plan_input(JobConfig(output="o", input=str(tmp_path / "junk.parquet")))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no .parquet files"):
+    with pytest.raises(ValueError, match="empty' holds no .parquet files"):
         plan_input(JobConfig(output="o", input=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match=r"zz\*\.parquet' matches no .parquet files"):
+        plan_input(JobConfig(output="o", input=str(tmp_path / "zz*.parquet")))
 
 
 @pytest.mark.parametrize(
