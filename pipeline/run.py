@@ -27,12 +27,12 @@ def run(job: JobConfig) -> dict[str, Any]:
     check_model(job)
     store = OutputStore(job.output, job.s3_endpoint_url)
     store.prepare()
-    complete = store.completed()
-    done = set() if job.overwrite else complete & {s.name for s in plan.shards}
+    complete, input_shards = store.completed(), {s.name for s in plan.shards}
+    done = set() if job.overwrite else complete & input_shards
     todo = [s for s in plan.shards if s.name not in done]
     settings = resume.row_settings(job, plan)
     kept = sorted(complete - {s.name for s in todo})  # every complete shard this run does not redo
-    resume.check_resume(settings, resume.shard_settings(store, kept), job.output, {s.name for s in plan.shards})
+    resume.check_resume(settings, resume.shard_settings(store, kept), job.output, input_shards)
     log.info(
         "input %s: %d shards, %d rows (%s prompts); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",

@@ -35,11 +35,11 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
     backend = job.kivi_backend
     if backend == "auto":
         backend = "triton" if torch.cuda.is_available() else "reference"
-    cache = job.kivi_config(backend)
-    hint = cpu_dtype_hint(job.model_dtype(), torch.cuda.is_available(), cpu_has_native_bf16())
+    cache, dtype = job.kivi_config(backend), job.model_dtype()
+    hint = cpu_dtype_hint(dtype, torch.cuda.is_available(), cpu_has_native_bf16())
     if hint:
         log.warning(hint)
-    hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=job.model_dtype(), kivi=cache)
+    hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=dtype, kivi=cache)
     config = EngineConfig(
         kivi=cache,
         # actors sharing a GPU each plan for their share of its memory
