@@ -15,6 +15,10 @@ MODELS = {  # random-weight bf16 Llama shapes; 8192 positions so that workload c
                       intermediate_size=11008, vocab_size=32000, max_position_embeddings=8192, rope_theta=10000.0),
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    # Mistral-7B v0.3 (full attention: no sliding window since v0.2), built as transformers' Mistral model
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32768, max_position_embeddings=8192,
+                       rope_theta=1000000.0, sliding_window=None),
 }
 
 SMOKE_MODELS = {
@@ -22,6 +26,9 @@ SMOKE_MODELS = {
                      intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0),
     "tiny-gqa": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=256, vocab_size=512, max_position_embeddings=1024, rope_theta=500000.0),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=256, vocab_size=512, max_position_embeddings=1024,
+                         rope_theta=1000000.0, sliding_window=None),
 }
 # workload -> (prompt tokens, new tokens or an inclusive (low, high) range drawn uniformly per prompt)
 WORKLOADS = {"a": (160, 338), "b": (1024, 256), "c": (4000, 256), "d": (1024, (16, 1024)), "e": (256, 2048)}
@@ -114,20 +121,27 @@ def decode_flops(model) -> tuple[float, float]:
 
 # -- model, prompts, tokenizer ------------------------------------------------------------------------
 def build_model(shape: dict, device: torch.device):
-    """Random bf16 Llama built on `device`, attention through the "kivi" hook, no EOS (ignore_eos)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Random bf16 model built on `device` (Llama unless the shape names another `model_type`: "mistral"),
+    attention through the "kivi" hook, no EOS (ignore_eos)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     import kivi  # noqa: F401  (registers the "kivi" attention function)
 
-    cfg = LlamaConfig(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    shape = dict(shape)
+    model_type = shape.pop("model_type", "llama")
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}
+    if model_type not in classes:
+        raise ValueError(f"build_model: model_type must be one of {sorted(classes)}, got {model_type!r}")
+    config_class, model_class = classes[model_type]
+    cfg = config_class(**shape, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     cfg._attn_implementation = "kivi"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         torch.manual_seed(0)
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = model_class(cfg)
     finally:
         torch.set_default_dtype(previous)
     model.eval().requires_grad_(False)
