@@ -91,7 +91,27 @@ def plan_input(cfg: JobConfig) -> InputPlan:
         raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; input {url!r} is Parquet")
     plan = _plan_hf(url, cfg) if is_hf else _plan_parquet(fs, path, url)
     plan.source = prompt_source(plan.schema.names, cfg, url)
+    check_source_type(plan.schema, plan.source, url)
     return plan
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) or pa.types.is_null(t)
+
+
+def check_source_type(schema: pa.Schema, source: str, url: str) -> None:
+    """A 'prompt' column must hold text, a 'messages' column chat lists (or their JSON text): ValueError naming the
+    column's type otherwise, before Ray starts, rather than an error on every row. A template's columns can be
+    anything str.format takes."""
+    if source not in ("prompt", "messages"):
+        return
+    dtype = schema.field(source).type
+    if source == "prompt" and not _is_text(dtype):
+        raise ValueError(f"input {url!r}: column 'prompt' is {dtype}, but prompts must be text (string); "
+                         "cast it, or build the prompt from it with --prompt-template")
+    if source == "messages" and not (_is_text(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype)):
+        raise ValueError(f"input {url!r}: column 'messages' is {dtype}, but it must hold chat lists of "
+                         "{role, content} (or their JSON text)")
 
 
 def prompt_source(columns: list[str], cfg: JobConfig, url: str) -> str:

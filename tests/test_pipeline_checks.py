@@ -58,6 +58,30 @@ def test_column_types_must_merge_across_files(tmp_path):
         plan_input(JobConfig(output="o", input=str(tmp_path / "in")))
 
 
+@pytest.mark.parametrize("column, values, ok", [
+    ("prompt", pa.array([3, 1, 4]), False),
+    ("prompt", pa.array([0.5, 2.0, None]), False),
+    ("prompt", pa.array([["a"], ["b"], ["c"]]), False),
+    ("prompt", pa.array(["a", None, "c"], pa.large_string()), True),
+    ("prompt", pa.array([None, None, None], pa.null()), True),
+    ("messages", pa.array([1, 2, 3]), False),
+    ("messages", pa.array(['[{"role": "user", "content": "hi"}]'] * 3), True),
+    ("messages", pa.array([[{"role": "user", "content": "hi"}]] * 3), True),
+])
+def test_prompt_column_type_is_checked_before_ray(tmp_path, column, values, ok):
+    write(tmp_path / "in/a.parquet", **{column: values}, x=pa.array(random.sample(range(100), 3)))
+    cfg = JobConfig(output="o", input=str(tmp_path / "in"))
+    if ok:
+        assert plan_input(cfg).source == column
+    else:
+        with pytest.raises(ValueError, match=f"column '{column}' is {str(values.type)[:4]}.*must"):
+            plan_input(cfg)
+    # a template may read any column type: the check is for the column that is the prompt itself
+    if column == "prompt":
+        templated = JobConfig(output="o", input=str(tmp_path / "in"), prompt_template="Q{x}")
+        assert plan_input(templated).source == "template"
+
+
 def test_split_is_for_a_dataset_dict(tmp_path):
     write(tmp_path / "a.parquet", prompt=["p"])
     with pytest.raises(ValueError, match="split='train' applies to a saved Hugging Face DatasetDict"):
