@@ -142,7 +142,8 @@ def parse_num_prompts(text: str | None, defaults: dict) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=None, help=f"comma list of {list(MODELS)} (default: all)")
+    p.add_argument("--models", default=None,
+                   help=f"comma list of {list(MODELS)} (default: llama2-7b,llama3-8b)")
     p.add_argument("--systems", default=None, help=f"comma list of {list(SYSTEMS)} (default: all); an engine "
                    f"system with a suffix /{{{','.join(VARIANTS)}}} changes one engine setting (A/B in one run)")
     p.add_argument("--workloads", default=None, help="comma list of a,b,c,d,e (default: all)")
@@ -218,7 +219,9 @@ def main(argv=None) -> dict:
     models = SMOKE_MODELS if smoke else MODELS
     workloads = SMOKE_WORKLOADS if smoke else WORKLOADS
     pick = lambda text, default: [s.strip() for s in text.split(",")] if text else list(default)
-    model_names = pick(args.models, ["llama2-7b"] if args.quick else ["tiny-gqa"] if smoke else models)
+    # the two shapes by default; mistral-7b (and tiny-mistral) when named
+    model_names = pick(args.models, ["llama2-7b"] if args.quick else ["tiny-gqa"] if smoke
+                       else ["llama2-7b", "llama3-8b"])
     systems = pick(args.systems, SMOKE_SYSTEMS if smoke else SYSTEMS)
     wl_names = pick(args.workloads, ["b", "e"] if args.quick else ["b", "d", "e"] if smoke else workloads)
     caps = [float(c) for c in pick(args.caps, ["40"] if args.quick or smoke else ["40", "80"])]

@@ -12,9 +12,10 @@ prefilled and left running, and a prefill batch of `--prefill-prompts` more is a
 - `decode_ms`: decode steps alone (`--steps-per-prompt` a prefill prompt; CUDA-graph replays chained on the
   device, as decode-ahead runs them);
 - `prefill_ms`: the prefill batch alone;
-- `both_ms`: both enqueued at once on two streams (decode at high priority), the GPU held by a sleep kernel until
-  both are queued so that the host's launch speed does not decide the overlap; `decode_done_ms` and
-  `prefill_done_ms`: when each stream finished, from the same start.
+- `both_ms`: both queued on two streams (decode at high priority) behind a sleep kernel; `decode_done_ms` and
+  `prefill_done_ms`: when each stream finished, from the sleep's end. The prefill's first host-to-device copy waits
+  for the sleep, so the host queues the rest of the prefill after the GPU has started (`host_queue_ms`, from the
+  first decode launch, minus the ~100 ms sleep), while the decode steps, queued first, run alone.
 
 `saving` = 1 - both / (decode + prefill): the share of the serial time that overlapping would save. Prints a
 table and one JSON object last.
@@ -36,7 +37,7 @@ from common import env_header, finish  # noqa: E402
 from engine_probe import build_engine, engine_config  # noqa: E402
 from engine_setup import MODELS, WORKLOADS, StubTokenizer, build_model, free_memory, make_prompts, set_cap  # noqa: E402
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s at the H200's ~1.98 GHz: longer than the host takes to queue both
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at the H200's ~1.98 GHz: longer than the host takes to queue the decode steps
 
 
 def _events():
@@ -110,7 +111,8 @@ def probe_system(model, system: str, args, device) -> dict:
         prefill_args = ([s.request.prompt_token_ids for s in part], [s.slot for s in part])
         decode_fn = partial(queue_decode, runner, running, steps)
         prefill_fn = partial(runner.prefill, *prefill_args, chunk_tokens=engine.scheduler.prefill_tokens)
-        decode_fn(), prefill_fn()  # warm: compile, allocator
+        decode_fn()  # warm: compile, allocator
+        prefill_fn()
         torch.cuda.synchronize()
         reps = []
         for _ in range(args.reps):

@@ -95,8 +95,17 @@ def plan_input(cfg: JobConfig) -> InputPlan:
     return plan
 
 
+def _type_is(t: pa.DataType, *checks: str) -> bool:
+    """Whether any of pa.types' checks holds (the view types' checks came in pyarrow 16: absent ones are False)."""
+    return any(getattr(pa.types, name, lambda _: False)(t) for name in checks)
+
+
 def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t) or pa.types.is_null(t)
+    return _type_is(t, "is_string", "is_large_string", "is_string_view", "is_null")
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return _type_is(t, "is_list", "is_large_list", "is_fixed_size_list", "is_list_view", "is_large_list_view")
 
 
 def check_source_type(schema: pa.Schema, source: str, url: str) -> None:
@@ -105,12 +114,14 @@ def check_source_type(schema: pa.Schema, source: str, url: str) -> None:
     anything str.format takes."""
     if source not in ("prompt", "messages"):
         return
-    dtype = schema.field(source).type
+    dtype = shown = schema.field(source).type
+    if pa.types.is_dictionary(dtype):  # e.g. a pandas Categorical: its values are what the rows hold
+        dtype = dtype.value_type
     if source == "prompt" and not _is_text(dtype):
-        raise ValueError(f"input {url!r}: column 'prompt' is {dtype}, but prompts must be text (string); "
+        raise ValueError(f"input {url!r}: column 'prompt' is {shown}, but prompts must be text (string); "
                          "cast it, or build the prompt from it with --prompt-template")
-    if source == "messages" and not (_is_text(dtype) or pa.types.is_list(dtype) or pa.types.is_large_list(dtype)):
-        raise ValueError(f"input {url!r}: column 'messages' is {dtype}, but it must hold chat lists of "
+    if source == "messages" and not (_is_text(dtype) or _is_list(dtype)):
+        raise ValueError(f"input {url!r}: column 'messages' is {shown}, but it must hold chat lists of "
                          "{role, content} (or their JSON text)")
 
 
