@@ -86,8 +86,7 @@ def both(decode_fn, prefill_fn, decode_stream, prefill_stream) -> dict:
 def probe_system(model, system: str, args, device) -> dict:
     from pipeline.actors.engine import LLMEngine, Request, SamplingParams
 
-    prompt_len, new_tokens = WORKLOADS["b"]
-    prompts = make_prompts("b", (prompt_len, new_tokens), 4 * args.rows, 0, model.config.vocab_size)
+    prompts = make_prompts("b", WORKLOADS["b"], 4 * args.rows, 0, model.config.vocab_size)
     requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens, ignore_eos=True))
                 for i, p in enumerate(prompts)]
     engine = LLMEngine(model, StubTokenizer(), engine_config(system, memory_limit_gib=args.cap))
