@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -14,7 +15,7 @@ import pyarrow.parquet as pq
 
 from pipeline.actors.actor import model_location
 from pipeline.config import JobConfig
-from pipeline.io import InputPlan
+from pipeline.io import SAMPLE_PROMPTS, InputPlan
 
 SETTINGS_KEY = b"kivi_ray.settings"
 # the job's fields that decide output rows (the rest, like actors or batch sizes, only decide speed)
@@ -24,15 +25,28 @@ ROW_FIELDS = ("split", "prompt_template", "chat", "max_new_tokens", "temperature
 
 def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
     """The settings that decide the rows, written as they take effect: paths made absolute, the model as the
-    (folder, file) it loads, dtype "auto" as bfloat16, cache fields only with the KIVI cache."""
+    (folder, file) it loads, dtype "auto" as bfloat16, cache fields only with the KIVI cache. The shipped sample
+    prompts and model record None whether they are named or left out."""
     out = {k: v for k, v in job.to_dict().items() if k in ROW_FIELDS}
     if not job.kivi:
         out.update(kv_bits=None, group_size=None, residual_length=None, kv_scale_dtype=None)
-    model, gguf_file = model_location(job) if job.model is not None else (None, None)  # None: the shipped default
-    out.update(input=_where(job.input), model=_where(model), gguf_file=gguf_file,
+    model, gguf_file = None, None  # the shipped default
+    if job.model is not None:
+        model, gguf_file = model_location(job)
+        shipped = model_location(replace(job, model=None, gguf_file=None))
+        if _same_file(os.path.join(model, gguf_file or ""), os.path.join(*shipped)):
+            model, gguf_file = None, None  # the shipped default, named
+    input_at = None if job.input is None or _same_file(job.input, str(SAMPLE_PROMPTS)) else job.input
+    out.update(input=_where(input_at), model=_where(model), gguf_file=gguf_file,
                dtype=job.model_dtype(),
                hf_shard_rows=job.hf_shard_rows if plan.kind == "hf" else None)
     return out
+
+
+def _same_file(path: str, other: str) -> bool:
+    """Whether the local path names the file `other` (False for URLs, hub ids and missing files)."""
+    local = os.path.expanduser(path)
+    return "://" not in path and os.path.isfile(local) and os.path.samefile(local, other)
 
 
 def _where(path: str | None) -> str | None:

@@ -220,6 +220,22 @@ def test_model_spellings_record_the_same_settings(tmp_path):
     assert as_path["model"] == as_pair["model"] == str(tmp_path / "m") and as_path == as_pair
 
 
+def test_naming_the_shipped_sample_and_model_records_the_defaults(tmp_path):
+    from pipeline.io import SAMPLE_PROMPTS
+
+    folder, name = model_location(JobConfig(output="o"))
+    (tmp_path / "link.parquet").symlink_to(SAMPLE_PROMPTS)
+    default = JobConfig(output="o")
+    plan = plan_input(default)
+    named = [JobConfig(output="o", input=str(SAMPLE_PROMPTS), model=folder, gguf_file=name),
+             JobConfig(output="o", input=str(tmp_path / "link.parquet"), model=f"{folder}/{name}")]
+    for job in named:
+        assert row_settings(job, plan_input(job)) == row_settings(default, plan)
+    other = tmp_path / "copy.parquet"
+    other.write_bytes(SAMPLE_PROMPTS.read_bytes())  # the same rows in another file: another input
+    assert row_settings(JobConfig(output="o", input=str(other)), plan)["input"] == str(other)
+
+
 @pytest.mark.parametrize("bad", [{"seed": True}, {"max_new_tokens": True}, {"top_k": False}, {"temperature": "0.5"},
                                  {"top_p": True}])
 def test_sampling_params_reject_booleans_and_strings(bad):
