@@ -18,6 +18,7 @@ Kernels (head_dim 128, 32 query heads with 32 or 8 KV heads, batch 1/8/64/256, c
                         (enable_gqa for 8 KV heads)
   paged_bf16            kernels.paged_attention.paged_decode_attention over a bf16 page pool
   reference             kernels.decode_attention.reference (2-bit), batch <= 8 and context <= 4096, eager only
+  copy_same_bytes       torch copy_ of a 2-bit and a 4-bit decode call's bytes (below), every shape
   quantize_pack         kernels.kv_store store_prefill of a 4096-token prompt (batch 1 and 8; 8 and 32 KV heads)
   residual_flush        kernels.kv_store store_decode at a step where every row flushes its oldest residual group
                         (batch 64 and 256; 8 and 32 KV heads)
@@ -37,6 +38,9 @@ How each number is measured:
                 the input tokens read plus the cache bytes written (+ the flushed residual group read).
   gbps          bytes / ms; frac_of_copy: gbps / the copy bandwidth measured at the start of the same run
                 (2 GiB copy_, bytes read plus written, median of 10). speedup_vs_sdpa_bf16: sdpa ms / ms.
+                copy_same_bytes: a copy_ moving a decode call's bytes (half read, half written) for each shape
+                and bits, timed the same way; a decode record's frac_of_same_size_copy is that copy's ms / its
+                ms (how close the call comes to what a plain copy of its size reaches, ramp and tail included).
   check         before timing, outputs on rows 0 and B-1 against the fp32 reference (or torch math) of the same
                 data: rel_l2 = ||out - ref|| / ||ref||; "fail" above 2e-2. Stores: codes equal the reference's.
 Random data is drawn with private generators before any capture (a failed capture cannot break later draws).
@@ -83,6 +87,7 @@ from common import copy_bandwidth, env_header, log, write_json  # noqa: E402
 from kernel_cases import (  # noqa: E402
     CHECK_TOL,
     DEV,
+    bench_copy_same,
     bench_kivi,
     bench_paged,
     bench_reference,
@@ -136,6 +141,8 @@ def main() -> None:
             rl2 = r.get("check_rel_l2")
             if rl2 is not None:
                 r["check"] = "ok" if rl2 <= CHECK_TOL and r.get("check_codes_equal", True) else "fail"
+            elif r.get("check_equal") is not None:  # copy_same_bytes
+                r["check"] = "ok" if r["check_equal"] else "fail"
         result = dict(header=header, copy=copy, wall_s=round(time.time() - t_start, 1), quick=ARGS.quick,
                       tune=ARGS.tune, cpu_smoke=ARGS.cpu_smoke, compile_errors=compile_errors, records=records)
         if ARGS.out:
@@ -173,10 +180,17 @@ def main() -> None:
         recs += [bench_kivi(B, L, Hq, H, D, bits, copy_gbps, ARGS.tune) for bits in (2, 4)]
         if (B <= 8 and L <= 4096) or ARGS.cpu_smoke:
             recs.append(bench_reference(B, L, Hq, H, D, copy_gbps))
+        copies = {bits: bench_copy_same(B, L, Hq, H, D, bits, copy_gbps) for bits in (2, 4)}
         sdpa_ms = recs[0].get("ms")
         for r in recs:
             if sdpa_ms and r.get("ms") and r is not recs[0]:
                 r["speedup_vs_sdpa_bf16"] = sdpa_ms / r["ms"]
+            same = copies.get(r["bits"]) if r["kernel"] == "decode_attention" else None
+            if same and same.get("ms") and r.get("ms"):
+                r["frac_of_same_size_copy"] = same["ms"] / r["ms"]
+            log(summary_line(r))
+        recs += copies.values()
+        for r in copies.values():
             log(summary_line(r))
         records.extend(recs)
         save()
@@ -202,7 +216,7 @@ def summary_line(r: dict) -> str:
 
 
 def print_table(records) -> None:
-    print("kernel             bits batch context  heads     ms        GB/s   copy%  vs_sdpa  check")
+    print("kernel             bits batch context  heads     ms        GB/s   copy%  vs_sdpa  same%  check")
     for r in records:
         if r.get("ms") is None:
             why = r.get("skipped") or r.get("error") or ""
@@ -213,7 +227,7 @@ def print_table(records) -> None:
         sp = r.get("speedup_vs_sdpa_bf16")
         print(f"{r['kernel']:18s} {r['bits']!s:>4} {r['batch']:>5} {r['context']:>7}  "
               f"{r['q_heads']}/{r['kv_heads']:<3} {r['ms']:9.4f} {r['gbps']:9.0f} {(frac or 0) * 100:6.1f}  "
-              f"{sp or 0:7.2f}  {r.get('check', '')}")
+              f"{sp or 0:7.2f}  {(r.get('frac_of_same_size_copy') or 0) * 100:5.1f}  {r.get('check', '')}")
 
 
 if __name__ == "__main__":

@@ -264,3 +264,24 @@ def bench_reference(B, L, Hq, H, D, copy_gbps) -> dict:
         finish(rec, dict(ms=ms, mode="eager"), nbytes)
 
     return guarded(rec, 3 * B * H * L * D * 4 * 2 + nbytes + 2**30, body)
+
+
+def bench_copy_same(B, L, Hq, H, D, bits, copy_gbps) -> dict:
+    """`copy_` of as many bytes (read plus written) as a `bits`-bit decode-attention call moves, timed the same
+    way: what a plain copy of that size reaches, launch ramp and tail included, against the 2 GiB copy."""
+    rec = record("copy_same_bytes", bits, B, L, Hq, H, D, copy_gbps)
+    nbytes = kivi_bytes(B, L, Hq, H, D, bits, bits)
+
+    def body(rec):
+        k_sets = n_sets(nbytes)
+        numel = nbytes // 4  # bf16 halves, as copy_bandwidth copies (a uint8 copy_ of GBs ran at ~65% of it)
+        src = [torch.randn(numel, dtype=torch.bfloat16, device=DEV, generator=gen(4 + i)) for i in range(k_sets)]
+        dst = [torch.empty_like(t) for t in src]
+        dst[0].copy_(src[0])
+        rec["check_equal"] = bool(torch.equal(dst[0], src[0]))
+        if not rec["check_equal"]:
+            rec["error"] = "check failed"
+            return
+        finish(rec, timed([lambda i=i: dst[i].copy_(src[i]) for i in range(k_sets)]), 4 * numel)
+
+    return guarded(rec, 2 * nbytes * n_sets(nbytes) + 2**30, body)
