@@ -269,8 +269,8 @@ def bench_reference(B, L, Hq, H, D, copy_gbps) -> dict:
 def bench_copy_same(B, L, Hq, H, D, bits, copy_gbps) -> dict:
     """`copy_` of as many bytes (read plus written) as a `bits`-bit decode-attention call moves, timed the same
     way: what a plain copy of that size reaches, launch ramp and tail included. The fastest of three placements
-    of its buffers (destinations after the sources, before them, after a 3 MiB gap): on the H200 one size ran
-    at 67% or 100% of copy_bandwidth's rate by where its buffers lay."""
+    of its buffers (destinations after the sources, before them, after a 3 MiB gap), kept as a check: some large
+    sizes ran at ~65% of copy_bandwidth's rate on the H200, in all three alike (kernel_notes.md)."""
     rec = record("copy_same_bytes", bits, B, L, Hq, H, D, copy_gbps)
     nbytes = kivi_bytes(B, L, Hq, H, D, bits, bits)
     numel = nbytes // 4  # bf16 halves, as copy_bandwidth copies
