@@ -4,6 +4,9 @@ engine_cases.py."""
 
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
@@ -101,6 +104,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
     assert other_seed.token_ids != alone
     assert greedy_k1[0].token_ids == engine.generate([Request("g", prompt, SamplingParams(max_new_tokens=20))])[
         0].token_ids
+
+
+def test_time_to_first_token_leaves_out_the_engine_build(tiny, monkeypatch):
+    """The first call's one-time build (reported as build_s) is not counted in its rows' time to first token."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=2, page_size=16))
+    slow_s, allocate = 0.5, engine._allocate
+
+    def slow_allocate(*args, **kwargs):
+        time.sleep(slow_s)
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_allocate", slow_allocate)
+    t0 = time.perf_counter()
+    out = engine.generate(requests([random.randint(3, 20) for _ in range(3)], [2, 3, 2]))
+    wall_s = time.perf_counter() - t0
+    assert engine.stats()["build_s"] >= slow_s
+    assert all(0 <= c.ttft_s < wall_s - slow_s for c in out)
 
 
 def test_bad_requests_become_error_rows(tiny):

@@ -41,6 +41,7 @@ class LLMEngine:
         self.runner: ModelRunner | None = None
         self.plan = None  # memory.CachePlan of the cache built
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
+        self.ready_at = 0.0  # perf_counter when the build ended: time to first token counts from here at the earliest
         self.active: list[Submission] = []  # calls of add() with requests still in flight
         self.interrupt: Callable[[], bool] = lambda: False  # True: end a run of decode steps launched ahead
         self.generated_tokens = self.finished_rows = 0  # since the engine was made (live progress)
@@ -52,7 +53,8 @@ class LLMEngine:
         again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries)."""
         t0 = time.perf_counter()
         build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
-        self.build_s = time.perf_counter() - t0
+        self.ready_at = time.perf_counter()
+        self.build_s = self.ready_at - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
                  self.cache.slot_bytes)
 
@@ -100,7 +102,8 @@ class LLMEngine:
             t_start: float | None = None) -> Submission:
         """Queue requests behind those already in flight; on_done(submission) runs (in step()) once all of them
         are complete (at once if none is valid). The first call plans the cache for requests like these.
-        t_start: when the requests arrived (time to first token counts from there; default now)."""
+        t_start: when the requests arrived (time to first token counts from there, or from the end of the
+        engine's one-time build if that came later: the build is reported on its own, as build_s; default now)."""
         sub = Submission(results=[None] * len(requests), t_start=t_start or time.perf_counter(), on_done=on_done)
         seqs = []
         for index, request in enumerate(requests):
@@ -256,7 +259,7 @@ class LLMEngine:
         self._complete(seq, Completion(
             request_id=seq.request.request_id, text=seq.text, token_ids=list(seq.output),
             num_input_tokens=seq.prompt_len, finish_reason=seq.finish_reason,
-            ttft_s=seq.t_first - seq.submission.t_start, decode_s=now - seq.t_first,
+            ttft_s=seq.t_first - max(seq.submission.t_start, self.ready_at), decode_s=now - seq.t_first,
         ))
 
     def _complete(self, seq: Sequence, completion: Completion) -> None:
