@@ -100,6 +100,8 @@ def test_actor_rows_and_errors():
     assert errors[0] is None and "null" in errors[1] and "empty" in errors[2] and "60 tokens" in errors[3]
     assert out["generated_text"].to_pylist()[1] is None
     assert set(out[stats.hidden("device_name")].to_pylist()) == {"fake"}
+    shard = stats.shard_stats("s", out, {"kv_bits": 2, "group_size": 32, "residual_length": 128, "model": "m"})
+    assert shard[0]["num_failed"] == 3 and shard[0]["total_input_tokens"] == 3 + 2  # refused prompts ran no tokens
 
 
 def test_actor_reports_its_start_and_the_engines_build_time(tmp_path):
