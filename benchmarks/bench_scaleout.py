@@ -117,7 +117,7 @@ def read_outputs(out: Path) -> dict:
     rows = pa.concat_tables([pq.read_table(p) for p in shards]) if shards else None
     stats_files = sorted((out / "_stats").glob("*.parquet"))
     stats = [r for p in stats_files for r in pq.read_table(p).to_pylist()]
-    summary_path = out / "_stats" / "summary.json"
+    summary_path = out / "_stats" / "_summary.json"
     summary = json.loads(summary_path.read_text())["summary"] if summary_path.is_file() else None
     reasons = {} if rows is None else dict(zip(*np.unique(rows["finish_reason"].to_numpy(zero_copy_only=False),
                                                           return_counts=True), strict=True))

@@ -82,6 +82,13 @@ def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
 _BEFORE_FIELD = {"kv_scale_dtype": lambda previous: "model" if previous.get("kivi") else None}
 
 
+_DEFAULTS_SHOWN = {"input": "<sample prompts>", "model": "<SmolLM2-135M-Instruct>"}  # what None records
+
+
+def _shown(key: str, value: Any) -> str:
+    return _DEFAULTS_SHOWN[key] if value is None and key in _DEFAULTS_SHOWN else repr(value)
+
+
 def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str,
                  input_shards: AbstractSet[str]) -> None:
     """ValueError when a complete shard of `output` that this run keeps was made with other settings.
@@ -92,7 +99,8 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
         if previous is None:
             continue
         previous = {**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous}
-        changed = [f"{k} {previous.get(k)!r} -> {v!r}" for k, v in settings.items() if previous.get(k, v) != v]
+        changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in settings.items()
+                   if previous.get(k, v) != v]
         if changed:
             mismatched.append((name in input_shards, name, changed))
     if not mismatched:

@@ -34,11 +34,12 @@ def run(job: JobConfig) -> dict[str, Any]:
     kept = sorted(complete - {s.name for s in todo})  # every complete shard this run does not redo
     resume.check_resume(settings, resume.shard_settings(store, kept), job.output, input_shards)
     log.info(
-        "input %s: %d shards, %d rows (%s prompts); %d shards already complete in %s, %d to do",
+        "input %s: %d shards, %d rows (prompts from %s%s); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",
         len(plan.shards),
         sum(s.num_rows for s in plan.shards),
-        plan.source,
+        {"template": "--prompt-template"}.get(plan.source, f"column '{plan.source}'"),
+        ", as chat turns" if job.chat or plan.source == "messages" else "",
         len(plan.shards) - len(todo),
         job.output,
         len(todo),
@@ -55,10 +56,10 @@ def run(job: JobConfig) -> dict[str, Any]:
     assembler.finish()
     summary = stats.summarize(
         assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo),
-        shards_done=assembler.shards_written,
+        shards_done=assembler.shards_written, tpots_ms=assembler.tpots_ms,
     )
     log.info("%s", stats.format_summary(summary))
-    store.write_text(store.summary_path(), stats.summary_json(summary, job.to_dict()))
+    store.write_summary(stats.summary_json(summary, job.to_dict()))
     log.info("wrote %d shards to %s (summary: %s)", assembler.shards_written, job.output, store.summary_path())
     return summary
 

@@ -3,7 +3,8 @@
 Layout under the output root:
     <shard>.parquet            the shard's output rows, in input order
     _stats/<shard>.parquet     its stats rows (one per actor that worked on it)
-    _stats/summary.json        the last run's summary
+    _stats/_summary.json       the last run's summary (named with "_" so that reading _stats/ as one Parquet
+                               dataset skips it, as Arrow skips "_" and "." files)
 A shard is complete when `<shard>.parquet` exists: it appears only once fully written, and its
 stats are written before it.
 """
@@ -52,7 +53,15 @@ class OutputStore:
         return posixpath.join(self.root, STATS_DIR, f"{name}.parquet")
 
     def summary_path(self) -> str:
-        return posixpath.join(self.root, STATS_DIR, "summary.json")
+        return posixpath.join(self.root, STATS_DIR, "_summary.json")
+
+    def write_summary(self, text: str) -> None:
+        """The run's summary; an earlier version's `_stats/summary.json` (which kept pandas and Arrow from reading
+        `_stats/` as one dataset) goes."""
+        self.write_text(self.summary_path(), text)
+        legacy = posixpath.join(self.root, STATS_DIR, "summary.json")
+        if self.fs.exists(legacy):
+            self.fs.rm(legacy)
 
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""
@@ -86,6 +95,7 @@ class ShardAssembler:
         self.rows_in_parts = 0
         self.stats_rows: list[dict[str, Any]] = []
         self.ttfts_ms: list[float] = []
+        self.tpots_ms: list[float] = []
         self.shards_written = 0
         self._flush_complete()
 
@@ -118,6 +128,7 @@ class ShardAssembler:
         else:
             rows = stats.shard_stats(shard.name, table, self.job_info)
             self.ttfts_ms += [t * 1e3 for t in table[stats.hidden("ttft_s")].to_pylist() if t is not None]
+            self.tpots_ms += [t * 1e3 for t in table[stats.hidden("tpot_s")].to_pylist() if t is not None]
             table = self._output_table(shard, stats.strip_hidden(table))
         self.store.write_table(self.store.stats_path(shard.name), stats.stats_table(rows))
         if self.settings is not None:

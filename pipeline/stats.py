@@ -117,9 +117,10 @@ def stats_table(rows: list[dict[str, Any]]) -> pa.Table:
 
 
 def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, shards_skipped: int,
-              shards_done: int | None = None) -> dict[str, Any]:
+              shards_done: int | None = None, tpots_ms: list[float] | None = None) -> dict[str, Any]:
     """Totals of this run over its stats rows; wall_s is the driver's time from start to last write.
-    shards_done: shards written (default: those with stats rows; an empty input file has none)."""
+    shards_done: shards written (default: those with stats rows; an empty input file has none). ttfts_ms,
+    tpots_ms: every row's time to first token and time per output token after the first."""
     out_tokens = sum(r["total_output_tokens"] for r in rows)
     peak = max(rows, key=lambda r: r["kv_cache_bytes"], default=None)  # both sizes from the same moment
     kv, kv_bf16 = (peak["kv_cache_bytes"], peak["kv_cache_bytes_bf16"]) if peak else (0, 0)
@@ -135,6 +136,7 @@ def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, 
         "output_tokens_per_second": out_tokens / wall_s if wall_s > 0 else 0.0,
         "mean_ttft_ms": float(np.mean(ttfts_ms)) if ttfts_ms else None,
         "p99_ttft_ms": float(np.percentile(ttfts_ms, 99)) if ttfts_ms else None,
+        "mean_tpot_ms": float(np.mean(tpots_ms)) if tpots_ms else None,
         "max_allocated_mb": max((r["max_allocated_mb"] for r in rows), default=0.0),
         "kv_cache_bytes": kv,
         "kv_cache_bytes_bf16": kv_bf16,

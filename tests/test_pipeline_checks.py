@@ -123,7 +123,7 @@ def complete_output(tmp_path, job: JobConfig, name: str = "a") -> None:
     table = stamp(pa.table({"id": [f"{name}-0"], "generated_text": ["done"]}), row_settings(job, plan_input(job)))
     write_table(tmp_path / f"out/{name}.parquet", table)
     (tmp_path / "out/_stats").mkdir(exist_ok=True)
-    (tmp_path / "out/_stats/summary.json").write_text('{"summary": "of the run that made it"}')
+    (tmp_path / "out/_stats/_summary.json").write_text('{"summary": "of the run that made it"}')
 
 
 @pytest.mark.parametrize("change", [
@@ -178,6 +178,8 @@ def test_another_inputs_shard_is_reported_before_this_inputs():
     with pytest.raises(ValueError, match=r"shard 'a' .*--overwrite to redo every shard of this input"):
         check_resume(now, recorded, "out", {"a", "m", "z"})
     check_resume(now, {"a": dict(now), "m": None}, "out", {"a"})
+    with pytest.raises(ValueError, match=r"input <sample prompts> -> 'in2'; model <SmolLM2-135M-Instruct> -> 'm'"):
+        check_resume(dict(now, model="m"), {"a": dict(now, input=None, model=None)}, "out", {"a"})
 
 
 def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
@@ -200,7 +202,7 @@ def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):
     complete_output(tmp_path, job)
     summary = run(job)
     assert (summary["shards_done"], summary["shards_skipped"], summary["num_requests"]) == (0, 1, 0)
-    assert json.loads((tmp_path / "out/_stats/summary.json").read_text()) == {"summary": "of the run that made it"}
+    assert json.loads((tmp_path / "out/_stats/_summary.json").read_text()) == {"summary": "of the run that made it"}
 
 
 def test_shards_without_recorded_settings_resume_unchecked(tmp_path, tiny_model):
@@ -241,6 +243,9 @@ def test_naming_the_shipped_sample_and_model_records_the_defaults(tmp_path):
 def test_sampling_params_reject_booleans_and_strings(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams.from_dict(bad)
+    if next(iter(bad)) in ("temperature", "top_p"):  # a type error reads as one, not as a range error
+        with pytest.raises(ValueError, match="must be a number"):
+            SamplingParams.from_dict(bad)
 
 
 def test_config_type_errors_read_plainly():

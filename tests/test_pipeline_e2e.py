@@ -158,8 +158,11 @@ def test_stats_per_shard_and_kv_ratio(chat_job):
         assert r["mean_ttft_ms"] > 0 and r["output_tokens_per_second"] > 0
         assert 0 < r["mean_tpot_ms"] < r["elapsed_time_s"] * 1e3
         assert 0 < r["kv_cache_bytes"] / r["kv_cache_bytes_bf16"] < 0.5, r
-    summary = json.loads((root / "out/_stats/summary.json").read_text())["summary"]
+    summary = json.loads((root / "out/_stats/_summary.json").read_text())["summary"]
     assert summary["num_requests"] == 9 and summary["num_failed"] == 3 and summary["shards_done"] == 3
+    assert 0 < summary["mean_tpot_ms"] < summary["wall_time_s"] * 1e3
+    every = pq.read_table(str(root / "out/_stats"))  # the folder reads as one table: the summary is skipped
+    assert sum(every["num_requests"].to_pylist()) == 9 and len(set(every["shard"].to_pylist())) == 3
 
 
 def test_resume_after_partial_run(chat_job):
@@ -170,7 +173,7 @@ def test_resume_after_partial_run(chat_job):
     os.remove(out / "a.parquet")
     (out / ".a.parquet.deadbeef.tmp").write_bytes(b"half a file")
     run(*argv)
-    summary = json.loads((out / "_stats/summary.json").read_text())["summary"]
+    summary = json.loads((out / "_stats/_summary.json").read_text())["summary"]
     assert (summary["shards_done"], summary["shards_skipped"], summary["num_requests"]) == (1, 2, 3)
     assert read(out / "a.parquet")["id"].to_pylist() == [0, 1, 2]
     assert {n: os.stat(out / f"{n}.parquet").st_mtime_ns for n in ("b", "sub__c")} == mtimes
@@ -186,11 +189,11 @@ def test_no_kivi_baseline_and_overwrite(chat_job):
     assert st["kv_bits"] == 16 and st["group_size"] is None
     assert st["kv_cache_bytes"] > 0 and st["kv_cache_bytes"] == st["kv_cache_bytes_bf16"]
     before = os.stat(out / "c.parquet").st_mtime_ns
-    summary = (out / "_stats/summary.json").read_text()
+    summary = (out / "_stats/_summary.json").read_text()
     assert main([*argv, "--temperature", "0.5"]) == 2  # other sampling: resuming would mix two jobs' rows
     run(*argv)  # nothing to do: the output and its summary stay as they are
     assert os.stat(out / "c.parquet").st_mtime_ns == before
-    assert (out / "_stats/summary.json").read_text() == summary
+    assert (out / "_stats/_summary.json").read_text() == summary
     run(*argv, "--overwrite")
     assert os.stat(out / "c.parquet").st_mtime_ns != before
 
@@ -246,7 +249,7 @@ def test_s3_input_and_output(ray_local, s3_endpoint):
     run(*argv)
     fs.invalidate_cache()
     files = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"{BUCKET}/out"))
-    assert files == ["p0.parquet", "p0.parquet", "p1.parquet", "p1.parquet", "summary.json"]
+    assert files == ["_summary.json", "p0.parquet", "p0.parquet", "p1.parquet", "p1.parquet"]
     with fs.open(f"{BUCKET}/out/p0.parquet", "rb") as f:
         p0 = pq.read_table(f).to_pylist()
     assert [r["id"] for r in p0] == ["p0-0", "p0-1"] and {r["k"] for r in p0} == {"p0"}
@@ -269,6 +272,6 @@ def test_default_job_of_the_quick_start(ray_local, tmp_path):
     assert all(r["finish_reason"] in ("stop", "length") and r["error"] is None for r in rows)
     assert all(r["generated_text"] or r["num_generated_tokens"] <= 1 for r in rows)
     assert {r["category"] for r in rows if r["num_input_tokens"] > 256} == {"read"}
-    summary = json.loads((tmp_path / "out/_stats/summary.json").read_text())["summary"]
+    summary = json.loads((tmp_path / "out/_stats/_summary.json").read_text())["summary"]
     assert summary["num_requests"] == 36 and summary["num_failed"] == 0
     assert 0.5 < summary["kv_cache_ratio"] < 0.95  # the long prompts' cache is mostly packed

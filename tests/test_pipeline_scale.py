@@ -52,6 +52,6 @@ def test_two_actors_share_the_shards(ray_two_cpus, tmp_path):
     assert sum(s["num_requests"] for s in stats) == len(ids)
     assert {s["shard"] for s in stats} == {"part0", "part1", "part2"}
     actors = {s["actor_id"] for s in stats}
-    summary = json.loads((out / "_stats" / "summary.json").read_text())
+    summary = json.loads((out / "_stats" / "_summary.json").read_text())
     print(f"{len(actors)} actors, summary {summary}")
     assert len(actors) == 2  # both actors of the pool did work

@@ -113,4 +113,4 @@ def test_ray_job_submit_rag_example(ray_head, tmp_path):
     assert "succeeded" in logs and "job summary" in logs and "progress:" in logs, logs[-5000:]
     table = pq.read_table(str(out / "rag_prompts.parquet"))
     assert table.num_rows == 6 and set(table["finish_reason"].to_pylist()) <= {"stop", "length"}
-    assert (out / "_stats" / "rag_prompts.parquet").exists() and (out / "_stats" / "summary.json").exists()
+    assert (out / "_stats" / "rag_prompts.parquet").exists() and (out / "_stats" / "_summary.json").exists()

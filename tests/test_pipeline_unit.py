@@ -172,10 +172,16 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
     # the empty shard has every column, typed as in the others: reading the folder as one table keeps them all
     assert pq.read_table(store.shard_path("c")).schema == a.schema == plan.output_schema()
     assert pq.read_table(str(tmp_path / "out")).schema == a.schema
-    summary = stats.summarize(asm.stats_rows, asm.ttfts_ms, 1.0, 0, shards_done=asm.shards_written)
+    summary = stats.summarize(asm.stats_rows, asm.ttfts_ms, 1.0, 0, shards_done=asm.shards_written,
+                              tpots_ms=asm.tpots_ms)
     assert summary["num_requests"] == 4 and summary["shards_done"] == 3
+    assert len(asm.tpots_ms) == 4 and summary["mean_tpot_ms"] == pytest.approx(sum(asm.tpots_ms) / 4)
     assert st[0]["actor_start_s"] == actor.start_s > 0 and st[0]["engine_build_s"] is None  # fake: no build
     assert summary["max_actor_start_s"] == actor.start_s and summary["max_engine_build_s"] is None
+    (tmp_path / "out/_stats/summary.json").write_text("{}")  # an earlier version's summary, beside the stats
+    store.write_summary(stats.summary_json(summary, job.to_dict()))
+    assert sorted(os.listdir(tmp_path / "out/_stats")) == ["_summary.json", "a.parquet", "b.parquet", "c.parquet"]
+    assert pq.read_table(str(tmp_path / "out/_stats")).num_rows == 2  # one stats row for each shard with rows
     (tmp_path / "out" / ".a.parquet.123.tmp").write_bytes(b"partial")  # a crashed write never counts
     os.remove(store.shard_path("b"))
     assert store.completed() == {"a", "c"}

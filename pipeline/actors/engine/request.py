@@ -32,9 +32,9 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (_is_number(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
