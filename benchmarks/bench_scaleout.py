@@ -123,7 +123,8 @@ def read_outputs(out: Path) -> dict:
                                                           return_counts=True), strict=True))
     return {"shards": len(shards), "rows": 0 if rows is None else rows.num_rows,
             "output_tokens": 0 if rows is None else int(np.sum(rows["num_generated_tokens"].to_numpy())),
-            "input_tokens": 0 if rows is None else int(np.sum(rows["num_input_tokens"].to_numpy())),
+            "input_tokens": 0 if rows is None else int(np.sum(  # of the rows that ran, as the job's summary counts
+                rows["num_input_tokens"].to_numpy()[rows["finish_reason"].to_numpy(zero_copy_only=False) != "error"])),
             "finish_reasons": {str(k): int(v) for k, v in reasons.items()}, "stats": stats, "summary": summary}
 
 

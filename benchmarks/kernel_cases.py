@@ -276,7 +276,9 @@ def bench_copy_same(B, L, Hq, H, D, bits, copy_gbps) -> dict:
     numel = nbytes // 4  # bf16 halves, as copy_bandwidth copies
 
     def timed_copy(k_sets: int, placement: str) -> dict | None:
-        make = lambda: [torch.empty(numel, dtype=torch.bfloat16, device=DEV) for _ in range(k_sets)]  # noqa: E731
+        def make():
+            return [torch.empty(numel, dtype=torch.bfloat16, device=DEV) for _ in range(k_sets)]
+
         first = make()
         gap = torch.empty(3 << 20, dtype=torch.uint8, device=DEV) if placement == "gap" else None
         src, dst = (make(), first) if placement == "dst_first" else (first, make())

@@ -32,10 +32,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from probe_splitk import COPIES, PRODUCTS  # noqa: E402  (the products' (in, out) sizes, weight copies per call)
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-PRODUCTS = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}  # (in, out)
-COPIES = 8
 LAYERS = 32
 
 

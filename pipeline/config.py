@@ -114,6 +114,10 @@ class JobConfig:
         float32 is faster; the actor warns there: pipeline.actors.actor.cpu_dtype_hint)."""
         return "bfloat16" if self.dtype == "auto" else self.dtype
 
+    def renders_chat(self, source: str) -> bool:
+        """Whether prompts from `source` ("prompt", "template" or "messages") go through the chat template."""
+        return self.chat or source == "messages"
+
     def sampling_defaults(self):
         """The job's sampling settings (pipeline.actors.engine.SamplingParams, which validates them): every
         SamplingParams field is a JobConfig field of the same name."""

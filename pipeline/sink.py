@@ -11,6 +11,7 @@ stats are written before it.
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pipeline.io import OUTPUT_COLUMNS, InputPlan, Shard, filesystem
 from pipeline.resume import stamp
 
 STATS_DIR = "_stats"
+log = logging.getLogger(__name__)
 
 
 class OutputStore:
@@ -36,6 +38,12 @@ class OutputStore:
             self.fs.makedirs(posixpath.join(self.root, STATS_DIR), exist_ok=True)
         except Exception as e:  # noqa: BLE001 - permissions, missing bucket: name the output
             raise ValueError(f"cannot create output {self.url!r}: {e}") from None
+        legacy = posixpath.join(self.root, STATS_DIR, "summary.json")  # an earlier version's summary, which kept
+        try:  # pandas and Arrow from reading _stats/ as one table
+            if self.fs.exists(legacy):
+                self.fs.rm(legacy)
+        except OSError as e:
+            log.warning("could not remove %s (an earlier version's summary): %s", legacy, e)
 
     def completed(self) -> set[str]:
         """Names of shards whose output file exists (was renamed into place whole)."""
@@ -55,13 +63,6 @@ class OutputStore:
     def summary_path(self) -> str:
         return posixpath.join(self.root, STATS_DIR, "_summary.json")
 
-    def write_summary(self, text: str) -> None:
-        """The run's summary; an earlier version's `_stats/summary.json` (which kept pandas and Arrow from reading
-        `_stats/` as one dataset) goes."""
-        self.write_text(self.summary_path(), text)
-        legacy = posixpath.join(self.root, STATS_DIR, "summary.json")
-        if self.fs.exists(legacy):
-            self.fs.rm(legacy)
 
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""

@@ -92,7 +92,7 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
                 "num_requests": len(idx),
                 "num_failed": sum(r == "error" for r in pick("finish_reason")),
                 "total_input_tokens": sum(n for n, r in zip(pick("num_input_tokens"), pick("finish_reason"),
-                                                            strict=True) if r != "error"),  # prompts it ran
+                                                            strict=True) if r != "error"),  # rows that did not fail
                 "total_output_tokens": out_tokens,
                 "elapsed_time_s": elapsed,
                 "output_tokens_per_second": out_tokens / elapsed if elapsed > 0 else 0.0,

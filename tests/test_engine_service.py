@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -157,3 +158,28 @@ def test_the_reporter_counts_every_finished_row_and_generated_token(tiny):  # no
         assert all(r >= 0 and t >= 0 and (r or t) for r, t in reports)
         if report_s:
             assert len(reports) <= 2  # once per time the engine ran dry
+
+
+def test_rows_queued_during_the_build_count_their_first_token_from_its_end(tiny, monkeypatch):
+    """A second list that arrives while the first call's build runs waits for the build (reported as build_s),
+    not for its own rows: its time to first token counts from the end of the build."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    slow_s, allocate, building, allocated_at = 1.0, engine._allocate, threading.Event(), []
+
+    def slow_allocate(*args, **kwargs):
+        building.set()
+        time.sleep(slow_s)
+        out = allocate(*args, **kwargs)
+        allocated_at.append(time.perf_counter())
+        return out
+
+    monkeypatch.setattr(engine, "_allocate", slow_allocate)
+    service = EngineService(engine)
+    first = service.submit(requests([6, 11], [2, 2]))
+    assert building.wait(timeout=60)
+    second = service.submit(requests([9, 5], [2, 3], seed=1))
+    completions, _ = second.result(timeout=300)
+    t_end = time.perf_counter()
+    first.result(timeout=300)
+    assert engine.stats()["build_s"] >= slow_s
+    assert all(0 <= c.ttft_s <= t_end - allocated_at[-1] for c in completions)

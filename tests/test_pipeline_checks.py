@@ -223,19 +223,26 @@ def test_model_spellings_record_the_same_settings(tmp_path):
 
 
 def test_naming_the_shipped_sample_and_model_records_the_defaults(tmp_path):
+    """The shipped sample and model, named (directly or through links), record what leaving them out records, and a
+    shard recorded with their paths (as earlier versions did) resumes; a link under another name is another input:
+    its shard has another name."""
     from pipeline.io import SAMPLE_PROMPTS
+    from pipeline.resume import check_resume
 
     folder, name = model_location(JobConfig(output="o"))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / SAMPLE_PROMPTS.name).symlink_to(SAMPLE_PROMPTS)
     (tmp_path / "link.parquet").symlink_to(SAMPLE_PROMPTS)
     default = JobConfig(output="o")
     plan = plan_input(default)
     named = [JobConfig(output="o", input=str(SAMPLE_PROMPTS), model=folder, gguf_file=name),
-             JobConfig(output="o", input=str(tmp_path / "link.parquet"), model=f"{folder}/{name}")]
+             JobConfig(output="o", input=str(tmp_path / "dir" / SAMPLE_PROMPTS.name), model=f"{folder}/{name}")]
     for job in named:
         assert row_settings(job, plan_input(job)) == row_settings(default, plan)
-    other = tmp_path / "copy.parquet"
-    other.write_bytes(SAMPLE_PROMPTS.read_bytes())  # the same rows in another file: another input
-    assert row_settings(JobConfig(output="o", input=str(other)), plan)["input"] == str(other)
+    linked = JobConfig(output="o", input=str(tmp_path / "link.parquet"))
+    assert row_settings(linked, plan_input(linked))["input"] == str(tmp_path / "link.parquet")
+    recorded = dict(row_settings(default, plan), input=str(SAMPLE_PROMPTS), model=folder, gguf_file=name)
+    check_resume(row_settings(default, plan), {"sample_prompts": recorded}, "o", {"sample_prompts"})
 
 
 @pytest.mark.parametrize("bad", [{"seed": True}, {"max_new_tokens": True}, {"top_k": False}, {"temperature": "0.5"},

@@ -179,7 +179,8 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
     assert st[0]["actor_start_s"] == actor.start_s > 0 and st[0]["engine_build_s"] is None  # fake: no build
     assert summary["max_actor_start_s"] == actor.start_s and summary["max_engine_build_s"] is None
     (tmp_path / "out/_stats/summary.json").write_text("{}")  # an earlier version's summary, beside the stats
-    store.write_summary(stats.summary_json(summary, job.to_dict()))
+    store.prepare()
+    store.write_text(store.summary_path(), stats.summary_json(summary, job.to_dict()))
     assert sorted(os.listdir(tmp_path / "out/_stats")) == ["_summary.json", "a.parquet", "b.parquet", "c.parquet"]
     assert pq.read_table(str(tmp_path / "out/_stats")).num_rows == 2  # one stats row for each shard with rows
     (tmp_path / "out" / ".a.parquet.123.tmp").write_bytes(b"partial")  # a crashed write never counts

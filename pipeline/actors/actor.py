@@ -99,8 +99,7 @@ class GenerateActor:
         self.engine, self.tokenizer = (loader or load_engine)(self.job)
         self.start_s = time.perf_counter() - t0  # model load and engine object, once per actor
         self.actor_id = _actor_id()
-        needs_chat = source == "messages" or self.job.chat
-        if needs_chat and not getattr(self.tokenizer, "chat_template", None):
+        if self.job.renders_chat(source) and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.job.model!r} has no chat template, needed for {source!r} prompts")
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -124,7 +123,7 @@ class GenerateActor:
         from pipeline.actors.engine import Request
 
         requests, errors = [], {}
-        chat_rendered = self.source == "messages" or self.job.chat
+        chat_rendered = self.job.renders_chat(self.source)
         for i, row in enumerate(rows):
             try:
                 text = prompts.prompt_text(row, self.source, self.job.prompt_template, self.tokenizer, self.job.chat)

@@ -102,8 +102,8 @@ class LLMEngine:
             t_start: float | None = None) -> Submission:
         """Queue requests behind those already in flight; on_done(submission) runs (in step()) once all of them
         are complete (at once if none is valid). The first call plans the cache for requests like these.
-        t_start: when the requests arrived (time to first token counts from there, or from the end of the
-        engine's one-time build if that came later: the build is reported on its own, as build_s; default now)."""
+        t_start: when the requests arrived (default now); time to first token counts from there, or from the end of
+        the one-time build (reported as build_s) if that came later."""
         sub = Submission(results=[None] * len(requests), t_start=t_start or time.perf_counter(), on_done=on_done)
         seqs = []
         for index, request in enumerate(requests):
