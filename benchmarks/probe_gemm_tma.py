@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from probe_splitk import COPIES, PRODUCTS  # noqa: E402  (the products' (in, out) sizes, weight copies per call)
+from probe_splitk import PRODUCTS, sweep  # noqa: E402  (the products' (in, out) sizes; the loop over them)
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 LAYERS = 32
@@ -144,16 +144,9 @@ def main() -> None:
 
     dev = torch.device("cuda")
     copy = copy_bandwidth(dev)
-    records = []
-    for name in args.products:
-        k, n = PRODUCTS[name]
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
-        for rows in args.widths:
-            rec = probe(name, rows, weights)
-            records.append(rec)
-            print(f"{name:8s} rows {rows:4d}: cublas {rec['cublas_us']:7.1f} us ({rec['cublas_tflops']} TFLOP/s), "
-                  f"tma {rec.get('best_us')} us ({rec.get('best_tflops')} TFLOP/s) {rec.get('best')}", flush=True)
-        del weights
+    records = sweep(args.products, args.widths, probe,
+                    lambda rec: f"cublas {rec['cublas_us']:7.1f} us ({rec['cublas_tflops']} TFLOP/s), tma "
+                                f"{rec.get('best_us')} us ({rec.get('best_tflops')} TFLOP/s) {rec.get('best')}")
     step = {}
     for rows in args.widths:
         mine = [r for r in records if r["rows"] == rows]

@@ -178,6 +178,20 @@ def probe(name: str, rows: int, weights: list[torch.Tensor], copy_gbs: float) ->
     return rec
 
 
+def sweep(products: list[str], widths: list[int], measure, describe) -> list[dict]:
+    """measure(name, rows, weights) -> record for each product (its COPIES random bf16 weights made once) and
+    width; a line per record: the product, the width and describe(record)."""
+    records = []
+    for name in products:
+        k, n = PRODUCTS[name]
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
+        for rows in widths:
+            records.append(measure(name, rows, weights))
+            print(f"{name:8s} rows {rows:4d}: {describe(records[-1])}", flush=True)
+        del weights
+    return records
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--widths", type=int, nargs="*", default=[40, 96, 128, 150, 241])
@@ -186,17 +200,10 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     copy = copy_bandwidth(dev)
-    records = []
-    for name in args.products:
-        k, n = PRODUCTS[name]
-        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(COPIES)]
-        for rows in args.widths:
-            rec = probe(name, rows, weights, copy["gbs"])
-            records.append(rec)
-            print(f"{name:8s} rows {rows:4d}: cublas {rec['cublas_us']:7.1f} us ({rec['cublas_gbps']} GB/s), "
-                  f"cublaslt {rec['cublaslt_us']:7.1f}, split-K {rec['best_us']:7.1f} us ({rec['best_gbps']} GB/s) "
-                  f"{rec['best']}", flush=True)
-        del weights
+    records = sweep(args.products, args.widths, lambda name, rows, weights: probe(name, rows, weights, copy["gbs"]),
+                    lambda rec: f"cublas {rec['cublas_us']:7.1f} us ({rec['cublas_gbps']} GB/s), cublaslt "
+                                f"{rec['cublaslt_us']:7.1f}, split-K {rec['best_us']:7.1f} us ({rec['best_gbps']} "
+                                f"GB/s) {rec['best']}")
     result = {"header": dict(env_header(dev), copy_bandwidth_gbs=copy["gbs"]), "records": records}
     if args.out:
         write_json(args.out, result)

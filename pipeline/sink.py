@@ -63,7 +63,6 @@ class OutputStore:
     def summary_path(self) -> str:
         return posixpath.join(self.root, STATS_DIR, "_summary.json")
 
-
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""
         tmp = posixpath.join(posixpath.dirname(path), f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")

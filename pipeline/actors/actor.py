@@ -36,7 +36,8 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
     if backend == "auto":
         backend = "triton" if torch.cuda.is_available() else "reference"
     cache, dtype = job.kivi_config(backend), job.model_dtype()
-    hint = cpu_dtype_hint(dtype, torch.cuda.is_available(), cpu_has_native_bf16())
+    cuda = torch.cuda.is_available()
+    hint = cpu_dtype_hint(dtype, cuda, None if cuda else cpu_has_native_bf16())  # the CPU's flags matter on a CPU
     if hint:
         log.warning(hint)
     hf_model, tokenizer = kivi.load(model, gguf_file=gguf_file, dtype=dtype, kivi=cache)
