@@ -122,6 +122,29 @@ def test_time_to_first_token_leaves_out_the_engine_build(tiny, monkeypatch):
     assert all(0 <= c.ttft_s < wall_s - slow_s for c in out)
 
 
+@pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
+def test_warm_up_prefill_leaves_no_trace(tiny, cache_kind, monkeypatch):
+    """EngineConfig.warm_prefill runs dummy prompts through the prefill path in the build (so that a GPU compiles
+    its kernels there): in slots and pages that real rows then reuse, uncounted, changing no token."""
+    from pipeline.actors.engine.model_runner import ModelRunner
+
+    warmed, warm = [], ModelRunner.warm_prefill
+    monkeypatch.setattr(ModelRunner, "warm_prefill", lambda self, *rows: warmed.append(rows) or warm(self, *rows))
+    reqs = requests([70, 12, 45, 90, 33, 64], [20, 30, 12, 25, 18, 9], seed=3)
+    cache = SMALL_KIVI if cache_kind == "kivi" else None
+    outs = []
+    for on in (False, True):
+        engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=cache, max_batch_size=2, page_size=16,
+                                                               warm_prefill=on))
+        outs.append([c.token_ids for c in engine.generate(reqs)])
+        assert engine.stats()["prefill_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)
+        assert engine.blocks.pages_in_use == 0
+    assert outs[1] == outs[0]
+    ring, group = (SMALL_KIVI.residual_length, SMALL_KIVI.group_size) if cache else (16, 16)
+    assert [rows[0] for rows in warmed] == [[ring + 2 * group + 3, 2 * ring]]  # only when on; both slots' worth
+    assert warmed[0][1] == [0, 1]  # the slots the first rows then take
+
+
 def test_bad_requests_become_error_rows(tiny):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_model_len=64))
     reqs = [Request("empty", []), Request("long", list(range(70))), Request("ok", list(range(1, 11)),
@@ -348,6 +371,23 @@ def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):
         outs[ahead] = (base, [(c.token_ids, c.finish_reason) for c in engine.generate(reqs)])
     assert outs[True] == outs[False]
     assert any(reason == "stop" for _, reason in outs[True][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: compiled kernels, CUDA graphs")
+def test_warm_up_prefill_on_a_gpu_keeps_the_tokens():
+    """On a GPU the warm-up is on by default: the same tokens as without it, for both caches (bf16 weights and
+    the Triton kernels: deterministic, so exactly equal)."""
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=torch.bfloat16).cuda().eval()
+    model.generation_config.eos_token_id = None
+    reqs = requests([150, 400, 33, 260, 90], [60, 25, 80, 40, 70], seed=6)
+    for cache in (kivi.KiviConfig(backend="triton"), None):
+        outs = [[c.token_ids for c in LLMEngine(model, StubTokenizer(), EngineConfig(
+            kivi=cache, max_batch_size=3, memory_limit_gib=4.0, warm_prefill=on)).generate(reqs)]
+            for on in (False, None)]
+        assert outs[1] == outs[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the fused layers run on CUDA only")

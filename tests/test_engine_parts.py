@@ -261,6 +261,23 @@ def test_block_manager_never_hands_out_a_page_twice():
     assert blocks.can_admit(seqs[3])
 
 
+def test_warm_up_rows_use_the_next_free_slots_and_pages_and_keep_them_free():
+    blocks = BlockManager(num_slots=3, num_pages=10, pages_for=lambda n: -(-n // 8))
+    blocks.admit(Sequence.start(0, Request("0", [1] * 10, SamplingParams(max_new_tokens=14)), 14))  # 3 pages
+    free = (list(blocks.free_slots), list(blocks.free_pages))
+    lengths, slots, pages = blocks.warm_up_rows([20, 30], cap=25)
+    assert lengths == [20, 25] and [len(p) for p in pages] == [3, 4]  # capped; ceil(n / 8) pages each
+    assert (list(blocks.free_slots), list(blocks.free_pages)) == free  # nothing taken
+    probe = Sequence.start(1, Request("1", [1] * 20, SamplingParams(max_new_tokens=1)), 0)
+    blocks.admit(probe)  # admit() takes the same slot and pages next
+    assert (probe.slot, probe.pages) == (slots[0], pages[0])
+    assert slots[1] != slots[0] and not set(pages[1]) & set(pages[0])
+    # as many as fit, in order: 4 pages left after the probe, so the 60-token prompt (8 pages) is dropped
+    assert blocks.warm_up_rows([30, 60, 8], cap=100)[0] == [30]
+    blocks.admit(Sequence.start(2, Request("2", [1] * 8, SamplingParams(max_new_tokens=1)), 0))
+    assert blocks.warm_up_rows([8], cap=100) == ([], [], [])  # no free slot
+
+
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
                                  dict(stop="x"), dict(seed=1.5), dict(ignore_eos="yes")])
 def test_sampling_params_reject_bad_values(bad):

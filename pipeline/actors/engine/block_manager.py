@@ -34,6 +34,22 @@ class BlockManager:
             self.free_pages.extend(reversed(seq.pages))
         seq.slot, seq.pages = -1, []
 
+    def warm_up_rows(self, lengths: list[int], cap: int) -> tuple[list[int], list[int], list[list[int]]]:
+        """(lengths, slots, pages) for dummy prompts of these lengths (each at most cap), in free slots and pages
+        that stay free: as many of the prompts as the free slots and pages hold, in order."""
+        free_slots, free_pages = self.free_slots[::-1], self.free_pages[::-1]  # the next ones admit() would take
+        rows: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
+        used = 0
+        for n in (min(cap, n) for n in lengths):
+            need = self.pages_for(n)
+            if len(rows[0]) == len(free_slots) or used + need > len(free_pages):
+                break
+            rows[0].append(n)
+            rows[1].append(free_slots[len(rows[1])])
+            rows[2].append(free_pages[used:used + need])
+            used += need
+        return rows
+
     @property
     def pages_in_use(self) -> int:
         return self.num_pages - len(self.free_pages)

@@ -30,6 +30,9 @@ class EngineConfig:
     # set aside from the cache holds one chunk's gate/up products (Llama-2-7B at 16,384 prefill tokens: ~1 GiB less)
     mlp_chunk_tokens: int | None = 4096
     cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
+    # prefill two dummy prompts in free slots during the build, so that the prefill path's Triton kernels compile
+    # there and not in the first rows' time to first token (1.7 s of JIT for SmolLM2 on an H200); None: on CUDA
+    warm_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

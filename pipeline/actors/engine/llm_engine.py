@@ -53,10 +53,25 @@ class LLMEngine:
         again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries)."""
         t0 = time.perf_counter()
         build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
+        self._warm_prefill()
         self.ready_at = time.perf_counter()
         self.build_s = self.ready_at - t0
         log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
                  self.cache.slot_bytes)
+
+    def _warm_prefill(self) -> None:
+        """EngineConfig.warm_prefill: dummy prompts through the prefill path, in free slots and pages, before the
+        first rows (BlockManager.warm_up_rows)."""
+        warm, kc = self.config.warm_prefill, self.config.kivi
+        if not (warm or (warm is None and self.device.type == "cuda")):
+            return
+        ring, group = (kc.residual_length, kc.group_size) if kc is not None else (self.config.page_size, 16)
+        rows = self.blocks.warm_up_rows([ring + 2 * group + 3, 2 * ring], self.max_model_len - 1)
+        try:
+            self.runner.warm_prefill(*rows)
+        except torch.OutOfMemoryError:  # the first real prefill will meet it, and requeue with a smaller budget
+            log.warning("out of memory in the warm-up prefill: the first rows' prefill compiles its kernels")
+            torch.cuda.empty_cache()
 
     def _release(self, retrying: bool) -> None:
         """Drop a failed build's cache, graphs and tables (runner None: the next add() builds again)."""

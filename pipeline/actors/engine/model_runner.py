@@ -115,6 +115,18 @@ class ModelRunner:
         last = hidden[torch.arange(len(prompts), device=self.device), length_t.long() - 1]  # [B, hidden]
         return self.lm_head(last).float()
 
+    def warm_prefill(self, lengths: list[int], slots: list[int], pages: list[list[int]]) -> None:
+        """Prefill dummy prompts of these lengths into free slots (their pages given), so that the prefill
+        path's kernels compile now. What they store is never read: a slot's next sequence sets its pages and
+        lengths afresh, as after any sequence that finished."""
+        if not lengths:
+            return
+        for slot, slot_pages in zip(slots, pages, strict=True):
+            self.cache.set_pages(slot, slot_pages)
+        self.prefill([[0] * n for n in lengths], slots)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _prefill_chunked(self, prompt: list[int], slot: int, chunk: int) -> torch.Tensor:
         ids = torch.tensor([prompt], device=self.device)
         slot_t = torch.tensor([slot], dtype=torch.int32, device=self.device)
