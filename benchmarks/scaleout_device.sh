@@ -5,6 +5,7 @@
 #
 #   call 1, carry [".whl1"]:                   bash benchmarks/scaleout_device.sh step1
 #   call 2 at once, carry [".whl2"], 600 s:    bash benchmarks/scaleout_device.sh step2 [PROMPTS]
+#   (or `install` in place of step2: ray into /tmp/site and nothing else, as quickstart_device.sh does)
 #
 # On a machine of N GPUs: CONFIGS=1x1.0,2x1.0 PER_GPU=1536 bash benchmarks/scaleout_device.sh step2 (weak
 # scaling: each config gets PER_GPU prompts per GPU it holds, so each GPU does the 1-GPU config's work).
@@ -17,7 +18,7 @@
 # 2x0.5 of PROMPTS prompts (default 1536: ~1,024 tokens in, 256 out; ~2 minutes each at 3,000-5,000
 # output tokens/s). Results: $OUT/scaleout.json and $OUT/scaleout-<config>.log.
 set -euo pipefail
-STEP=${1:?usage: scaleout_device.sh step1 | step2 [PROMPTS]}
+STEP=${1:?usage: scaleout_device.sh step1 | step2 [PROMPTS] | install}
 PROMPTS=${2:-1536}
 CONFIGS=${CONFIGS:-1x1.0,2x0.5}
 PER_GPU=${PER_GPU:+--prompts-per-gpu $PER_GPU}
@@ -30,7 +31,7 @@ step1)
     mkdir -p /tmp/parts && cp .whl1/raypart.00 /tmp/parts/
     ls -l /tmp/parts
     ;;
-step2)
+install|step2)
     cat /tmp/parts/raypart.00 .whl2/raypart.01 > "/tmp/$WHEEL"
     echo "$(cut -d' ' -f1 .whl2/ray.sha256)  /tmp/$WHEEL" | sha256sum -c -
     wheels=("/tmp/$WHEEL")
@@ -47,13 +48,14 @@ step2)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site "${wheels[@]}"
     export PYTHONPATH=/tmp/site:$PWD
     python3 -c "import ray, ray.data; print('ray', ray.__version__, 'from', ray.__file__)"
+    [ "$STEP" = install ] && exit 0
     mkdir -p "$OUT"
     left=$((BUDGET_S - SECONDS - 5))
     timeout $((left + 30)) python3 benchmarks/bench_scaleout.py --tokenizer .whl2/tokenizer --work /tmp/scaleout \
         --out "$OUT/scaleout.json" --configs "$CONFIGS" --prompts "$PROMPTS" $PER_GPU --max-seconds "$left"
     ;;
 *)
-    echo "unknown step $STEP (step1 or step2)" >&2
+    echo "unknown step $STEP (step1, step2 or install)" >&2
     exit 2
     ;;
 esac

@@ -141,8 +141,8 @@ def test_warm_up_prefill_leaves_no_trace(tiny, cache_kind, monkeypatch):
         assert engine.blocks.pages_in_use == 0
     assert outs[1] == outs[0]
     ring, group = (SMALL_KIVI.residual_length, SMALL_KIVI.group_size) if cache else (16, 16)
-    assert [rows[0] for rows in warmed] == [[ring + 2 * group + 3, 2 * ring]]  # only when on; both slots' worth
-    assert warmed[0][1] == [0, 1]  # the slots the first rows then take
+    assert [rows[0] for rows in warmed] == [[], [ring + 2 * group + 3, 2 * ring]]  # off, then on: two slots' worth
+    assert warmed[1][1] == [0, 1]  # the slots the first rows then take
 
 
 def test_bad_requests_become_error_rows(tiny):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kivi
 from pipeline.actors.engine import Request, SamplingParams
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
@@ -265,17 +266,27 @@ def test_warm_up_rows_use_the_next_free_slots_and_pages_and_keep_them_free():
     blocks = BlockManager(num_slots=3, num_pages=10, pages_for=lambda n: -(-n // 8))
     blocks.admit(Sequence.start(0, Request("0", [1] * 10, SamplingParams(max_new_tokens=14)), 14))  # 3 pages
     free = (list(blocks.free_slots), list(blocks.free_pages))
-    lengths, slots, pages = blocks.warm_up_rows([20, 30], cap=25)
-    assert lengths == [20, 25] and [len(p) for p in pages] == [3, 4]  # capped; ceil(n / 8) pages each
+    lengths, slots, pages = blocks.warm_up_rows([20, 25])
+    assert lengths == [20, 25] and [len(p) for p in pages] == [3, 4]  # ceil(n / 8) pages each
     assert (list(blocks.free_slots), list(blocks.free_pages)) == free  # nothing taken
     probe = Sequence.start(1, Request("1", [1] * 20, SamplingParams(max_new_tokens=1)), 0)
     blocks.admit(probe)  # admit() takes the same slot and pages next
     assert (probe.slot, probe.pages) == (slots[0], pages[0])
     assert slots[1] != slots[0] and not set(pages[1]) & set(pages[0])
     # as many as fit, in order: 4 pages left after the probe, so the 60-token prompt (8 pages) is dropped
-    assert blocks.warm_up_rows([30, 60, 8], cap=100)[0] == [30]
+    assert blocks.warm_up_rows([30, 60, 8])[0] == [30]
     blocks.admit(Sequence.start(2, Request("2", [1] * 8, SamplingParams(max_new_tokens=1)), 0))
-    assert blocks.warm_up_rows([8], cap=100) == ([], [], [])  # no free slot
+    assert blocks.warm_up_rows([8]) == ([], [], [])  # no free slot
+
+
+def test_warm_up_lengths_follow_the_cache_and_stay_in_the_budget():
+    small = kivi.KiviConfig(group_size=16, residual_length=32, page_size=32, backend="reference")
+    assert EngineConfig(kivi=small, warm_prefill=True).warm_up_lengths(4096, on_cuda=False) == [67, 64]
+    assert EngineConfig(kivi=None, page_size=64).warm_up_lengths(4096, on_cuda=True) == [99, 128]  # default: on
+    assert EngineConfig().warm_up_lengths(4096, on_cuda=False) == []  # default: off on a CPU
+    assert EngineConfig(warm_prefill=False).warm_up_lengths(4096, on_cuda=True) == []
+    assert EngineConfig(max_prefill_tokens=200).warm_up_lengths(4096, on_cuda=True) == [100, 100]
+    assert EngineConfig().warm_up_lengths(50, on_cuda=True) == [49, 49]
 
 
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),

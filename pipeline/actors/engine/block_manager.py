@@ -34,21 +34,19 @@ class BlockManager:
             self.free_pages.extend(reversed(seq.pages))
         seq.slot, seq.pages = -1, []
 
-    def warm_up_rows(self, lengths: list[int], cap: int) -> tuple[list[int], list[int], list[list[int]]]:
-        """(lengths, slots, pages) for dummy prompts of these lengths (each at most cap), in free slots and pages
-        that stay free: as many of the prompts as the free slots and pages hold, in order."""
+    def warm_up_rows(self, lengths: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
+        """(lengths, slots, pages) for dummy prompts of these lengths, in free slots and pages that stay free: as
+        many of the prompts as the free slots and pages hold, in order."""
         free_slots, free_pages = self.free_slots[::-1], self.free_pages[::-1]  # the next ones admit() would take
-        rows: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
-        used = 0
-        for n in (min(cap, n) for n in lengths):
-            need = self.pages_for(n)
-            if len(rows[0]) == len(free_slots) or used + need > len(free_pages):
+        taken_lengths, slots, pages = [], [], []
+        for length in lengths:
+            need, used = self.pages_for(length), sum(len(p) for p in pages)
+            if len(slots) == len(free_slots) or used + need > len(free_pages):
                 break
-            rows[0].append(n)
-            rows[1].append(free_slots[len(rows[1])])
-            rows[2].append(free_pages[used:used + need])
-            used += need
-        return rows
+            taken_lengths.append(length)
+            slots.append(free_slots[len(slots)])
+            pages.append(free_pages[used:used + need])
+        return taken_lengths, slots, pages
 
     @property
     def pages_in_use(self) -> int:

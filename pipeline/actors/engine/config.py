@@ -31,8 +31,19 @@ class EngineConfig:
     mlp_chunk_tokens: int | None = 4096
     cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
     # prefill two dummy prompts in free slots during the build, so that the prefill path's Triton kernels compile
-    # there and not in the first rows' time to first token (1.7 s of JIT for SmolLM2 on an H200); None: on CUDA
+    # there and not in the first rows' time to first token (1.5 s of JIT for SmolLM2 on an H200); None: on CUDA
     warm_prefill: bool | None = None
+
+    def warm_up_lengths(self, max_model_len: int, on_cuda: bool) -> list[int]:
+        """Prompt lengths of the build's warm-up prefill ([] when warm_prefill is off, or None off CUDA): one past
+        the first flushes and one a multiple of 16 (Triton compiles those apart), within the prefill budget."""
+        if not (self.warm_prefill or (self.warm_prefill is None and on_cuda)):
+            return []
+        # the bf16 cache has no groups: 16 stands in for one, so the first prompt still ends off a multiple of 16
+        kc = self.kivi
+        ring, group = (kc.residual_length, kc.group_size) if kc is not None else (self.page_size, 16)
+        cap = min(max_model_len - 1, self.max_prefill_tokens // 2)
+        return [min(cap, ring + 2 * group + 3), min(cap, 2 * ring)]
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

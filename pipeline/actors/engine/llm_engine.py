@@ -50,7 +50,8 @@ class LLMEngine:
     # -- set-up ----------------------------------------------------------------------------
     def _build(self, seqs: list[Sequence]) -> None:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
-        again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries)."""
+        again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries). Then
+        the warm-up prefill (EngineConfig.warm_prefill), so that its kernels compile inside build_s."""
         t0 = time.perf_counter()
         build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
         self._warm_prefill()
@@ -60,18 +61,15 @@ class LLMEngine:
                  self.cache.slot_bytes)
 
     def _warm_prefill(self) -> None:
-        """EngineConfig.warm_prefill: dummy prompts through the prefill path, in free slots and pages, before the
-        first rows (BlockManager.warm_up_rows)."""
-        warm, kc = self.config.warm_prefill, self.config.kivi
-        if not (warm or (warm is None and self.device.type == "cuda")):
-            return
-        ring, group = (kc.residual_length, kc.group_size) if kc is not None else (self.config.page_size, 16)
-        rows = self.blocks.warm_up_rows([ring + 2 * group + 3, 2 * ring], self.max_model_len - 1)
+        """Dummy prompts (EngineConfig.warm_up_lengths) through the prefill path, in free slots and pages
+        (BlockManager.warm_up_rows). Best effort: a failure is logged, and the first real prefill meets it again."""
+        lengths = self.config.warm_up_lengths(self.max_model_len, self.device.type == "cuda")
         try:
-            self.runner.warm_prefill(*rows)
-        except torch.OutOfMemoryError:  # the first real prefill will meet it, and requeue with a smaller budget
-            log.warning("out of memory in the warm-up prefill: the first rows' prefill compiles its kernels")
-            torch.cuda.empty_cache()
+            self.runner.warm_prefill(*self.blocks.warm_up_rows(lengths))
+        except Exception:  # noqa: BLE001 - optional: the build stands, the first rows compile instead
+            log.warning("warm-up prefill failed; the first rows' prefill compiles its kernels", exc_info=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _release(self, retrying: bool) -> None:
         """Drop a failed build's cache, graphs and tables (runner None: the next add() builds again)."""
