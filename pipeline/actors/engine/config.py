@@ -31,7 +31,7 @@ class EngineConfig:
     mlp_chunk_tokens: int | None = 4096
     cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
     # prefill two dummy prompts in free slots during the build, so that the prefill path's Triton kernels compile
-    # there and not in the first rows' time to first token (1.5 s of JIT for SmolLM2 on an H200); None: on CUDA
+    # there and not in the first rows' time to first token (1.5-2.5 s for SmolLM2 on an H200); None: on CUDA
     warm_prefill: bool | None = None
 
     def warm_up_lengths(self, max_model_len: int, on_cuda: bool) -> list[int]:
