@@ -51,9 +51,7 @@ def _shipped_as_none(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_shipped_model(path: str) -> bool:
-    if not os.path.isfile(path):
-        return False
-    try:
+    try:  # default_model() only looks the package up (importing nothing); _same_file checks that path is a file
         from kivi.models import default_model
 
         return _same_file(path, os.path.join(*default_model()))

@@ -50,16 +50,23 @@ def requests(lengths, new_tokens, seed=0):
 SMALL_KIVI = kivi.KiviConfig(group_size=16, residual_length=32, page_size=32, backend="reference")
 
 
+def gpu_llama(dtype: torch.dtype, kv_heads: int, seed: int):
+    """A seeded random Llama on the GPU for the engine's GPU tests: hidden 256, 2 layers, 4 query heads of 64 over
+    `kv_heads`, no EOS."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=64, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def gpu_fp32_tokens(reqs: list[Request], **engine_config) -> tuple[list[list[int]], LLMEngine]:
     """Greedy tokens of `reqs` (and the engine) from a fresh fp32 Llama on the GPU (seed 9: the same weights each
     call; hidden 256, 2 layers, 4/2 heads) with the full-precision cache and EngineConfig(**engine_config): the
     A/B of an engine setting that may change only fp32 rounding (a 2-bit cache would turn such differences into
     different codes at group edges)."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    torch.manual_seed(9)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").cuda().eval()
-    model.generation_config.eos_token_id = None
+    model = gpu_llama(torch.float32, kv_heads=2, seed=9)
     engine = LLMEngine(model, StubTokenizer(), EngineConfig(kivi=None, max_prefill_tokens=1024, memory_limit_gib=4.0,
                                                            **engine_config))
     return [c.token_ids for c in engine.generate(reqs)], engine

@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import DynamicCache
 
 import kivi
 from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from tests.engine_cases import SMALL_KIVI, VOCAB, StubTokenizer, gpu_fp32_tokens, hf_greedy, requests
+from tests.engine_cases import SMALL_KIVI, StubTokenizer, gpu_fp32_tokens, gpu_llama, hf_greedy, requests
 
 
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
@@ -352,11 +352,7 @@ def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):
     """On a GPU the ahead steps really overlap the host (non-blocking copies, graph replays fed from the
     device): the tokens must equal synchronous steps' for every request, greedy and sampled, EOS mid-batch
     included."""
-    torch.manual_seed(7)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=torch.bfloat16).cuda().eval()
-    model.generation_config.eos_token_id = None
+    model = gpu_llama(torch.bfloat16, kv_heads=4, seed=7)
     cache = kivi.KiviConfig(backend="triton") if cache_kind == "kivi" else None
     reqs = requests([150, 400, 33, 260, 90, 520, 70, 310], [60, 25, 80, 40, 70, 30, 90, 50], seed=2)
     for i in (1, 4, 6):  # some rows sampled (seeded): their steps run ahead too
@@ -377,11 +373,7 @@ def test_decode_ahead_on_a_gpu_matches_synchronous_steps(cache_kind):
 def test_warm_up_prefill_on_a_gpu_keeps_the_tokens():
     """On a GPU the warm-up is on by default: the same tokens as without it, for both caches (bf16 weights and
     the Triton kernels: deterministic, so exactly equal)."""
-    torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi", dtype=torch.bfloat16).cuda().eval()
-    model.generation_config.eos_token_id = None
+    model = gpu_llama(torch.bfloat16, kv_heads=2, seed=5)
     reqs = requests([150, 400, 33, 260, 90], [60, 25, 80, 40, 70], seed=6)
     for cache in (kivi.KiviConfig(backend="triton"), None):
         outs = [[c.token_ids for c in LLMEngine(model, StubTokenizer(), EngineConfig(
