@@ -256,6 +256,7 @@ def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
     with the same cache, and the model is unpatched again between and after calls."""
     import kernels
     from kivi.fused import FusedLayers
+    from pipeline.actors.engine import build
 
     class CountingOps:
         def __init__(self, ops):
@@ -271,7 +272,7 @@ def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
             return counted
 
     ops = CountingOps(kernels.get_ops("triton"))
-    monkeypatch.setattr(LLMEngine, "_fused_layers", lambda self: FusedLayers(self.model, ops))
+    monkeypatch.setattr(build, "fused_layers", lambda model, config, device: FusedLayers(model, ops))
     reqs = requests([7, 30, 12], [9, 4, 12], seed=5)
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=2))
     out = engine.generate(reqs)

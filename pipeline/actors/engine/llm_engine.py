@@ -13,16 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
-from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
-from pipeline.actors.engine.block_manager import BlockManager
+from pipeline.actors.engine.build import allocate_parts
 from pipeline.actors.engine.config import EngineConfig
-from pipeline.actors.engine.kv_cache import EngineCache, engine_storage
-from pipeline.actors.engine.memory import build_shrinking, check_headroom, peak_memory_mb, plan_for, reserved_bytes
-from pipeline.actors.engine.model_runner import ModelRunner
+from pipeline.actors.engine.memory import build_shrinking, peak_memory_mb
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
-from pipeline.actors.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +33,7 @@ class LLMEngine:
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
-        self.runner: ModelRunner | None = None
+        self.runner = None  # model_runner.ModelRunner, with cache, blocks and scheduler, once built (build.py)
         self.plan = None  # memory.CachePlan of the cache built
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
         self.ready_at = 0.0  # perf_counter when the build ended: time to first token counts from here at the earliest
@@ -77,29 +72,10 @@ class LLMEngine:
         self.stats_acc["oom_retries"] += retrying
 
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
-        storage, cfg, fused = engine_storage(self.config, self.device), self.config, self._fused_layers()
-        plan = plan_for(self.model, storage, cfg, [s.total_len for s in seqs], self.max_model_len, fused,
-                        budget_scale=budget_scale)
-        self.cache = EngineCache(self.model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
-                                 max_pages_per_seq=max(1, storage.pages_for(self.max_model_len)),
-                                 dtype=self.dtype, device=self.device)
-        self.blocks = BlockManager(plan.num_slots, plan.num_pages, storage.pages_for)
-        self.scheduler = Scheduler(self.blocks, cfg.max_prefill_tokens)
-        graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self.runner = ModelRunner(self.model, self.cache, plan.num_slots, use_cuda_graphs=graphs,
-                                  max_len=self.max_model_len, layers=fused, tune_buckets=cfg.tune_buckets)
-        self.plan = plan  # the graphs' pool is known now: is the prefill workspace still free?
-        check_headroom(plan, reserved_bytes(self.device), strict=not final)
-
-    def _fused_layers(self) -> FusedLayers | None:
-        model_type = getattr(self.model.config, "model_type", None)
-        if not (self.config.fused_layers and self.device.type == "cuda"):
-            return None
-        if model_type not in FUSED_MODEL_TYPES:
-            log.info("no fused RMSNorm/rotary kernels for model_type %r: transformers' ops run", model_type)
-            return None
-        return FusedLayers(self.model, kernels.get_ops("triton"), projections=self.config.fused_projections,
-                           mlp_chunk_tokens=self.config.mlp_chunk_tokens, silu_mul=self.config.fused_silu_mul)
+        parts = allocate_parts(self.model, self.config, [s.total_len for s in seqs], self.max_model_len,
+                               budget_scale, final)
+        self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
+        self.scheduler, self.runner = parts.scheduler, parts.runner
 
     # -- requests --------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
