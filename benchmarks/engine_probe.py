@@ -62,7 +62,7 @@ class RunnerProbe:
 def instrumented_runner(probe: RunnerProbe):
     """Wrap ModelRunner.prefill/decode/decode_next (class-level, restored on exit) to feed `probe` (on_prefill,
     on_decode before each call, decode_next reported as a decode of the last rows one position on;
-    after_decode, if the probe has it, after each decode)."""
+    after_prefill and after_decode, if the probe has them, after each call returns)."""
     from pipeline.actors.engine import model_runner
 
     cls = model_runner.ModelRunner
@@ -72,7 +72,10 @@ def instrumented_runner(probe: RunnerProbe):
 
     def prefill(self, *args, **kwargs):
         probe.on_prefill(args[0] if args else kwargs["prompts"])
-        return orig_prefill(self, *args, **kwargs)
+        logits = orig_prefill(self, *args, **kwargs)
+        if hasattr(probe, "after_prefill"):
+            probe.after_prefill()
+        return logits
 
     def stepped(positions, run):
         probe.on_decode(positions)
