@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 from common import env_header, finish  # noqa: E402
 from engine_probe import engine_config, instrumented_runner  # noqa: E402
-from engine_setup import MODELS, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
+from engine_setup import MODELS, StubTokenizer, build_model, free_memory, make_prompts, set_cap  # noqa: E402
 from profile_step import TINY  # noqa: E402
 
 
@@ -66,6 +66,8 @@ def measure(model, system: str, n: int, prompt_len: int, new_tokens: int, cap_gi
         engine.generate([Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens))
                          for i, p in enumerate(prompts)])
     stats = engine.stats()
+    del engine
+    free_memory(model.device)  # the next system builds its own cache under the same cap
     marks = probe.marks[1:] or probe.marks  # the first batch's allocator and kernel warm-up left out
     tokens = sum(m[4] for m in marks)
     out = dict(system=system, sequences=n, prefill_calls=len(marks), prompt_tokens=tokens,
@@ -102,7 +104,7 @@ def main() -> None:
     n, prompt_len, new = (args.prompts, args.prompt_len, args.new_tokens) if cuda else (6, 16, 2)
     results = [measure(model, system, n, prompt_len, new, args.cap_gib, cuda) for system in args.systems.split(",")]
     for r in results:
-        print(r)
+        print(r, flush=True)
     report = dict(header=env_header(device), args=vars(args), results=results)
     finish(args.out, report)
 

@@ -140,7 +140,7 @@ def test_engine_short_of_its_workspace_builds_again_with_less_cache(tiny, monkey
     """A build whose reserved memory leaves less than the workspace under the limit (as a GPU build whose graph
     pool outgrew the plan's margin): the engine drops it, builds again with 1.1x the deficit less cache budget,
     counts one retry, and completes the requests as an engine that never fell short."""
-    from pipeline.actors.engine import LLMEngine, llm_engine
+    from pipeline.actors.engine import LLMEngine, build
     from pipeline.actors.engine.memory import HEADROOM_PAD
     from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
 
@@ -151,7 +151,7 @@ def test_engine_short_of_its_workspace_builds_again_with_less_cache(tiny, monkey
     limit, budget = clean.plan.limit_bytes, clean.plan.budget_bytes  # a CPU plan: its limit is the cache budget
     deficit = int(budget * float(torch.empty(()).uniform_(0.05, 0.3)))
     seen = []
-    monkeypatch.setattr(llm_engine, "reserved_bytes", lambda device: seen.append(device) or (
+    monkeypatch.setattr(build, "reserved_bytes", lambda device: seen.append(device) or (
         limit + deficit if len(seen) == 1 else 0))
     engine = LLMEngine(tiny, StubTokenizer(), config)
     assert [c.token_ids for c in engine.generate(reqs)] == expected
@@ -163,9 +163,9 @@ def test_engine_short_of_its_workspace_builds_again_with_less_cache(tiny, monkey
 def _failing_cache(monkeypatch, fails) -> list:
     """Patch the engine's EngineCache so that construction number n (from 1) raises a CUDA out-of-memory error
     where fails(n); returns the list of what each construction was asked for (slots, pages)."""
-    from pipeline.actors.engine import llm_engine
+    from pipeline.actors.engine import build
 
-    real, asked = llm_engine.EngineCache, []
+    real, asked = build.EngineCache, []
 
     def cache(*args, **kwargs):
         asked.append((kwargs["num_slots"], kwargs["num_pages"]))
@@ -173,7 +173,7 @@ def _failing_cache(monkeypatch, fails) -> list:
             raise torch.OutOfMemoryError("simulated")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "EngineCache", cache)
+    monkeypatch.setattr(build, "EngineCache", cache)
     return asked
 
 
@@ -220,10 +220,10 @@ def test_failed_build_frees_its_cache_before_the_retry_plans(tiny, monkeypatch):
     retry measures what is allocated, else the retry's budget would lose a whole cache, not 15%."""
     import weakref
 
-    from pipeline.actors.engine import LLMEngine, llm_engine
+    from pipeline.actors.engine import LLMEngine, build
     from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
 
-    real_runner, real_plan, failed, alive_at_plan = llm_engine.ModelRunner, llm_engine.plan_for, [], []
+    real_runner, real_plan, failed, alive_at_plan = build.ModelRunner, build.plan_for, [], []
 
     def runner(model, cache, *args, **kwargs):
         if not failed:
@@ -235,8 +235,8 @@ def test_failed_build_frees_its_cache_before_the_retry_plans(tiny, monkeypatch):
         alive_at_plan.append([ref() is not None for ref in failed])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "ModelRunner", runner)
-    monkeypatch.setattr(llm_engine, "plan_for", plan_for)
+    monkeypatch.setattr(build, "ModelRunner", runner)
+    monkeypatch.setattr(build, "plan_for", plan_for)
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
     out = engine.generate(requests([10, 4], [5, 6], seed=int(torch.randint(0, 1000, ()))))
     assert [len(c.token_ids) for c in out] == [5, 6] and engine.stats()["oom_retries"] == 1
