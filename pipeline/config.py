@@ -192,11 +192,15 @@ def build(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> JobCo
 
 
 def _check_type(name: str, value: Any) -> None:
-    """YAML gives any type: reject e.g. `max_new_tokens: "16"` or `kivi: "no"` with a clear message."""
-    default = FIELDS[name].default
-    if value is None or default is None or default is dataclasses.MISSING or name == "stop":
+    """YAML gives any type: reject e.g. `max_new_tokens: "16"`, `kivi: "no"`, `input: 5` or `stop: {a: 1}` with a
+    clear message."""
+    if name == "stop":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+            raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
         return
-    expected = type(default)
+    expected = _expected_type(name)
+    if value is None or expected is None:
+        return
     ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         ok = True
@@ -204,3 +208,13 @@ def _check_type(name: str, value: Any) -> None:
         kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
         kind = kinds.get(expected, expected.__name__)
         raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _expected_type(name: str) -> type | None:
+    """The type a field's value must have: its default's, or for a field without a default or with None the first
+    type its annotation names (`str | None` -> str)."""
+    default = FIELDS[name].default
+    if default is not None and default is not dataclasses.MISSING:
+        return type(default)
+    first = str(FIELDS[name].type).split("|")[0].strip()
+    return {"str": str, "int": int, "float": float, "bool": bool}.get(first)

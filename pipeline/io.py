@@ -37,6 +37,8 @@ class Shard:
     num_rows: int
     path: str | None = None  # the parquet file (a filesystem path), None for Hugging Face row blocks
     start: int = 0  # first row of a Hugging Face block
+    data: str | None = None  # what the rows are, wherever they lie: the file's rows and bytes, or the block's rows
+    #                          of the dataset's fingerprint (resume compares it; pipeline.resume.check_resume)
 
     def default_id(self, row: int) -> str:
         """Id of row `row` of this shard when the input has no `id` column."""
@@ -51,6 +53,8 @@ class InputPlan:
     source: str  # how the actor builds prompts: "template", "messages" or "prompt"
     filesystem: Any = None  # fsspec filesystem of the parquet files
     hf_dataset: Any = None  # datasets.Dataset for kind == "hf"
+    root: str | None = None  # a folder whose files the input takes (a folder, a glob's or a dataset's), else None
+    pattern: str | None = None  # the glob, for a glob input
 
     @property
     def has_id(self) -> bool:
@@ -84,12 +88,15 @@ def plan_input(cfg: JobConfig) -> InputPlan:
     url = cfg.input or str(SAMPLE_PROMPTS)
     fs, path = filesystem(url, cfg.s3_endpoint_url)
     try:
-        is_hf = not _has_glob(path) and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
+        is_hf = not _has_glob(path, fs) and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: name the path
         raise ValueError(f"cannot read input {url!r}: {e}") from None
     if cfg.split is not None and not is_hf:
         raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; input {url!r} is Parquet")
     plan = _plan_hf(url, cfg) if is_hf else _plan_parquet(fs, path, url)
+    plan.filesystem = fs
+    if is_hf:
+        plan.root = path
     plan.source = prompt_source(plan.schema.names, cfg, url)
     check_source_type(plan.schema, plan.source, url)
     return plan
@@ -143,8 +150,12 @@ def prompt_source(columns: list[str], cfg: JobConfig, url: str) -> str:
     )
 
 
-def _has_glob(path: str) -> bool:
-    return any(ch in path for ch in GLOB_CHARS)
+def _has_glob(path: str, fs: Any = None) -> bool:
+    """Whether `path` is a pattern: it has a glob character and (given fs) names no existing file or folder, so
+    that a path like `runs[1]/` is read as it is."""
+    if not any(ch in path for ch in GLOB_CHARS):
+        return False
+    return fs is None or not fs.exists(path)
 
 
 def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
@@ -152,7 +163,7 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
     with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
         metas = list(pool.map(lambda f: _footer(fs, f), files))
     schema = metas[0][0]
-    for f, (s, _) in zip(files, metas, strict=True):
+    for f, (s, _, _) in zip(files, metas, strict=True):
         if set(s.names) != set(schema.names):
             raise ValueError(f"input file {f!r} has columns {s.names}, but {files[0]!r} has {schema.names}")
         schema = _merge_types(schema, s, files[0], f)
@@ -162,8 +173,11 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
         if name in seen:  # a/b.parquet and a__b.parquet: both outputs would be <out>/a__b.parquet
             raise ValueError(f"input files {seen[name]!r} and {f!r} both map to shard {name!r}; rename one")
         seen[name] = f
-    shards = [Shard(n, rows, path=f) for n, f, (_, rows) in zip(names, files, metas, strict=True)]
-    return InputPlan("parquet", shards, schema, source="", filesystem=fs)
+    shards = [Shard(n, rows, path=f, data=f"{rows} rows, {size} bytes")
+              for n, f, (_, rows, size) in zip(names, files, metas, strict=True)]
+    glob = _has_glob(path, fs)
+    return InputPlan("parquet", shards, schema, source="", filesystem=fs, root=root if glob or fs.isdir(path) else None,
+                     pattern=path if glob else None)
 
 
 def _merge_types(merged: pa.Schema, other: pa.Schema, first_file: str, file: str) -> pa.Schema:
@@ -187,7 +201,7 @@ def _types_merge(a: pa.DataType, b: pa.DataType) -> bool:
 
 def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:
     """Parquet files (sorted) and the root their shard names are relative to."""
-    if _has_glob(path):
+    if _has_glob(path, fs):
         files, root = fs.glob(path), path[: min(path.find(c) for c in GLOB_CHARS if c in path)]
         root = root.rsplit("/", 1)[0]
     elif fs.isdir(path):
@@ -201,16 +215,17 @@ def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:
         f for f in files if f.endswith(".parquet") and not any(p.startswith((".", "_")) for p in rel(f).split("/"))
     )
     if not files:
-        what = "matches no .parquet files" if _has_glob(path) else "holds no .parquet files"
+        what = "matches no .parquet files" if _has_glob(path, fs) else "holds no .parquet files"
         raise ValueError(f"input {url!r} {what}")
     return files, root
 
 
-def _footer(fs: Any, file: str) -> tuple[pa.Schema, int]:
+def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int]:
+    """(schema, rows, bytes) of a parquet file."""
     try:
         with fs.open(file, "rb") as f:
             pf = pq.ParquetFile(f)
-            return pf.schema_arrow, pf.metadata.num_rows
+            return pf.schema_arrow, pf.metadata.num_rows, fs.size(file)
     except Exception as e:  # noqa: BLE001 - any reader failure: name the file
         raise ValueError(f"cannot read parquet file {file!r}: {e}") from None
 
@@ -239,7 +254,10 @@ def _plan_hf(url: str, cfg: JobConfig) -> InputPlan:
         raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; dataset {url!r} is a "
                          "single Dataset (drop --split)")
     n, size = len(ds), cfg.hf_shard_rows
-    shards = [Shard(f"rows-{s:09d}-{min(s + size, n) - 1:09d}", min(size, n - s), start=s) for s in range(0, n, size)]
+    fingerprint = getattr(ds, "_fingerprint", None)  # saved in the dataset's state.json: the same on every load
+    shards = [Shard(f"rows-{s:09d}-{min(s + size, n) - 1:09d}", min(size, n - s), start=s,
+                    data=f"rows {s}-{min(s + size, n) - 1} of dataset {fingerprint}" if fingerprint else None)
+              for s in range(0, n, size)]
     return InputPlan("hf", shards, ds.data.schema, source="", hf_dataset=ds)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from pipeline.actors.actor import model_location
 from pipeline.config import JobConfig
-from pipeline.io import SAMPLE_PROMPTS, InputPlan
+from pipeline.io import OUTPUT_COLUMNS, SAMPLE_PROMPTS, InputPlan
 
 SETTINGS_KEY = b"kivi_ray.settings"
 # the job's fields that decide output rows (the rest, like actors or batch sizes, only decide speed)
@@ -79,16 +79,23 @@ def stamp(table: pa.Table, settings: dict[str, Any]) -> pa.Table:
     return table.replace_schema_metadata({**(table.schema.metadata or {}), SETTINGS_KEY: json.dumps(settings)})
 
 
+FOREIGN = {"not a kivi-ray shard": True}  # shard_settings' answer for a file that is not an output shard
+
+
 def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
-    """{shard: its recorded settings, or None for a shard written before they were recorded}."""
+    """{shard: its recorded settings; None for a shard written before they were recorded; FOREIGN for a file that
+    cannot be read or lacks the output columns}."""
 
     def read(name: str) -> dict[str, Any] | None:
         try:
             with store.fs.open(store.shard_path(name), "rb") as f:
-                meta = pq.ParquetFile(f).schema_arrow.metadata or {}
-            return json.loads(meta[SETTINGS_KEY]) if SETTINGS_KEY in meta else None
-        except (OSError, ValueError, pa.ArrowException):  # not a shard of ours (a user's file): nothing to compare
-            return None
+                schema = pq.ParquetFile(f).schema_arrow
+        except (OSError, ValueError, pa.ArrowException):
+            return FOREIGN
+        meta = schema.metadata or {}
+        if SETTINGS_KEY in meta:
+            return json.loads(meta[SETTINGS_KEY])
+        return None if OUTPUT_COLUMNS[0] in schema.names else FOREIGN  # an earlier version's shard, or not one
 
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(names)))) as pool:
         return dict(zip(names, pool.map(read, names), strict=True))
@@ -105,20 +112,37 @@ def _shown(key: str, value: Any) -> str:
     return _DEFAULTS_SHOWN[key] if value is None and key in _DEFAULTS_SHOWN else repr(value)
 
 
+def check_ours(recorded: dict[str, dict[str, Any] | None], output: str, input_data: Mapping[str, Any]) -> None:
+    """ValueError when `output` holds, under the name of one of this input's shards, a file that is not an output
+    shard: a rerun would skip it as complete, and --overwrite would write over another program's file."""
+    foreign = sorted(name for name, previous in recorded.items() if previous is FOREIGN and name in input_data)
+    if foreign:
+        raise ValueError(f"output {output!r} holds {foreign[0]}.parquet, which is not a kivi-ray output shard (no "
+                         f"{OUTPUT_COLUMNS[0]} column, or unreadable), where this input's shard {foreign[0]!r} goes: "
+                         "give another --output, or move that file")
+
+
 def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str,
-                 input_shards: AbstractSet[str]) -> None:
+                 input_data: Mapping[str, str | None]) -> None:
     """ValueError when a complete shard of `output` that this run keeps was made with other settings.
-    `input_shards`: the names of this input's shards (--overwrite redoes those; it keeps any other shard), so a
-    mismatched shard of another input is reported first: --overwrite would not fix that one."""
+    `input_data`: {name: Shard.data} of this input's shards (--overwrite redoes those; it keeps any other shard), so
+    a mismatched shard of another input is reported first: --overwrite would not fix that one. A shard of this input
+    whose recorded data is this shard's data matches whatever path the input is named by now (a relative path
+    under another working directory, a folder named as a glob); with other data it does not."""
     mismatched = []
     for name, previous in sorted(recorded.items()):
-        if previous is None:
+        if previous is None or previous is FOREIGN:
             continue
         previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
-        changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in settings.items()
+        current = dict(settings)
+        if name in input_data:
+            current["input_data"] = input_data[name]
+            if previous.get("input_data") is not None and previous["input_data"] == input_data[name]:
+                current["input"] = previous.get("input")  # the same rows, wherever the input lies now
+        changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in current.items()
                    if previous.get(k, v) != v]
         if changed:
-            mismatched.append((name in input_shards, name, changed))
+            mismatched.append((name in input_data, name, changed))
     if not mismatched:
         return
     own, name, changed = min(mismatched)  # another input's shard (own=False) first

@@ -12,6 +12,7 @@ from pipeline import resume, stats
 from pipeline.actors.actor import StreamingGenerateActor, model_location
 from pipeline.config import JobConfig
 from pipeline.io import InputPlan, Shard, plan_input, read_dataset
+from pipeline.paths import check_output_apart
 from pipeline.progress import LiveCounter, Progress
 from pipeline.sink import OutputStore, ShardAssembler
 
@@ -26,13 +27,16 @@ def run(job: JobConfig) -> dict[str, Any]:
     plan = plan_input(job)
     check_model(job)
     store = OutputStore(job.output, job.s3_endpoint_url)
+    check_output_apart(plan, job.output, store.fs, store.root)
     store.prepare()
-    complete, input_shards = store.completed(), {s.name for s in plan.shards}
-    done = set() if job.overwrite else complete & input_shards
+    complete, input_data = store.completed(), {s.name: s.data for s in plan.shards}
+    done = set() if job.overwrite else complete & set(input_data)
     todo = [s for s in plan.shards if s.name not in done]
     settings = resume.row_settings(job, plan)
-    kept = sorted(complete - {s.name for s in todo})  # every complete shard this run does not redo
-    resume.check_resume(settings, resume.shard_settings(store, kept), job.output, input_shards)
+    recorded = resume.shard_settings(store, sorted(complete))
+    resume.check_ours(recorded, job.output, input_data)  # a file of another program where a shard of ours goes
+    kept = complete - {s.name for s in todo}  # every complete shard this run does not redo
+    resume.check_resume(settings, {n: recorded[n] for n in sorted(kept)}, job.output, input_data)
     log.info(
         "input %s: %d shards, %d rows (prompts from %s%s); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",
@@ -90,7 +94,7 @@ def job_info(job: JobConfig) -> dict[str, Any]:
     """The job-level columns of every stats row."""
     model, gguf_file = model_location(job)
     return {
-        "kv_bits": job.kv_bits if job.kivi else 16,
+        "kv_bits": job.kv_bits if job.kivi else {"float32": 32}.get(job.model_dtype(), 16),  # plain: the model's
         "group_size": job.group_size if job.kivi else None,
         "residual_length": job.residual_length if job.kivi else None,
         "model": os.path.join(model, gguf_file) if gguf_file else model,

@@ -100,8 +100,7 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
                 "p99_ttft_ms": float(np.percentile(ttft_ms, 99)) if ttft_ms else None,
                 "mean_tpot_ms": float(np.mean(tpot_ms)) if tpot_ms else None,
                 "max_allocated_mb": max(pick(hidden("max_allocated_mb"))),
-                "kv_cache_bytes": max(pick(hidden("kv_cache_bytes"))),
-                "kv_cache_bytes_bf16": max(pick(hidden("kv_cache_bytes_bf16"))),
+                **_cache_peak(pick(hidden("kv_cache_bytes")), pick(hidden("kv_cache_bytes_bf16"))),
                 "device_name": pick(hidden("device_name"))[0],
                 "actor_id": actor,
                 "actor_start_s": max(pick(hidden("actor_start_s"))),
@@ -110,6 +109,13 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
             }
         )
     return rows
+
+
+def _cache_peak(kv: list[int], kv_bf16: list[int]) -> dict[str, int]:
+    """The largest cache size among the rows' calls with its bf16 size from the same call (each call's engine
+    keeps the two as a pair, taken at one moment; the two maxima of different calls would not be)."""
+    i = max(range(len(kv)), key=lambda j: (kv[j], kv_bf16[j]))
+    return {"kv_cache_bytes": kv[i], "kv_cache_bytes_bf16": kv_bf16[i]}
 
 
 def stats_table(rows: list[dict[str, Any]]) -> pa.Table:

@@ -34,3 +34,12 @@ def tiny():
     model = AutoModelForCausalLM.from_config(config, attn_implementation="kivi").eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    """A model folder holding only a config: enough for every check a job makes before Ray starts."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")

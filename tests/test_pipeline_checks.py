@@ -21,15 +21,6 @@ from pipeline.resume import row_settings, stamp
 from pipeline.run import run
 
 
-@pytest.fixture
-def tiny_model(tmp_path):
-    """A model folder holding only a config: enough for every check made before Ray starts."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1).save_pretrained(tmp_path / "model")
-    return str(tmp_path / "model")
-
-
 def write_table(path, table: pa.Table) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, str(path))
@@ -174,12 +165,12 @@ def test_another_inputs_shard_is_reported_before_this_inputs():
     recorded = {"a": dict(now, max_new_tokens=now["max_new_tokens"] + 1), "m": None, "z": dict(now, input="in1")}
     with pytest.raises(ValueError, match=r"shard 'z' .*not a shard of this input.*remove z\.parquet and "
                                          r"_stats/z\.parquet"):
-        check_resume(now, recorded, "out", {"a", "m"})
+        check_resume(now, recorded, "out", dict.fromkeys(["a", "m"]))
     with pytest.raises(ValueError, match=r"shard 'a' .*--overwrite to redo every shard of this input"):
-        check_resume(now, recorded, "out", {"a", "m", "z"})
-    check_resume(now, {"a": dict(now), "m": None}, "out", {"a"})
+        check_resume(now, recorded, "out", dict.fromkeys(["a", "m", "z"]))
+    check_resume(now, {"a": dict(now), "m": None}, "out", {"a": None})
     with pytest.raises(ValueError, match=r"input <sample prompts> -> 'in2'; model <SmolLM2-135M-Instruct> -> 'm'"):
-        check_resume(dict(now, model="m"), {"a": dict(now, input=None, model=None)}, "out", {"a"})
+        check_resume(dict(now, model="m"), {"a": dict(now, input=None, model=None)}, "out", {"a": None})
 
 
 def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
@@ -191,9 +182,9 @@ def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
     old = {"kivi": True, "kv_bits": 2, "max_new_tokens": 8}
     now = dict(old, kv_scale_dtype="float16")
     with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(kv_scale_dtype 'model' -> 'float16'"):
-        check_resume(now, {"a": old}, "out", {"a"})
-    check_resume(dict(now, kv_scale_dtype="model"), {"a": old}, "out", {"a"})
-    check_resume(dict(now, kivi=False, kv_scale_dtype=None), {"a": dict(old, kivi=False)}, "out", {"a"})
+        check_resume(now, {"a": old}, "out", {"a": None})
+    check_resume(dict(now, kv_scale_dtype="model"), {"a": old}, "out", {"a": None})
+    check_resume(dict(now, kivi=False, kv_scale_dtype=None), {"a": dict(old, kivi=False)}, "out", {"a": None})
 
 
 def test_rerun_with_nothing_to_do_keeps_the_summary(tmp_path, tiny_model):
@@ -242,7 +233,7 @@ def test_naming_the_shipped_sample_and_model_records_the_defaults(tmp_path):
     linked = JobConfig(output="o", input=str(tmp_path / "link.parquet"))
     assert row_settings(linked, plan_input(linked))["input"] == str(tmp_path / "link.parquet")
     recorded = dict(row_settings(default, plan), input=str(SAMPLE_PROMPTS), model=folder, gguf_file=name)
-    check_resume(row_settings(default, plan), {"sample_prompts": recorded}, "o", {"sample_prompts"})
+    check_resume(row_settings(default, plan), {"sample_prompts": recorded}, "o", {"sample_prompts": None})
 
 
 @pytest.mark.parametrize("bad", [{"seed": True}, {"max_new_tokens": True}, {"top_k": False}, {"temperature": "0.5"},
@@ -260,6 +251,33 @@ def test_config_type_errors_read_plainly():
         build({"max_new_tokens": "four"}, {"output": "o"})
     with pytest.raises(ValueError, match="kivi must be true or false, got 'no'"):
         build({"kivi": "no"}, {"output": "o"})
+
+
+@pytest.mark.parametrize("name, value, kind", [
+    ("input", 5, "a string"), ("model", 3, "a string"), ("prompt_template", 12, "a string"), ("output", 7, "a string"),
+    ("seed", "7", "an integer"), ("batch_size", 2.5, "an integer"), ("stop", 5, "a string or a list of strings"),
+    ("stop", {"a": 1}, "a string or a list of strings"), ("stop", ["ok", 3], "a string or a list of strings"),
+])
+def test_yaml_values_of_the_wrong_type_are_errors(name, value, kind):
+    """Fields whose default is None (or that have none) are typed by their annotation; `stop` must hold strings."""
+    with pytest.raises(ValueError, match=f"{name} must be {kind}, got "):
+        build({name: value}, {} if name == "output" else {"output": "o"})
+
+
+def test_a_rows_stop_string_is_one_stop():
+    stop = "".join(random.choices("abc \n", k=random.randint(2, 6)))
+    assert SamplingParams.from_dict({"stop": stop}).stop == (stop,)
+    assert SamplingParams.from_dict({"stop": [stop, "x"]}).stop == (stop, "x")
+    with pytest.raises(ValueError, match="stop must be a string or a list of strings"):
+        SamplingParams.from_dict({"stop": 5})
+
+
+def test_a_plain_caches_bits_are_the_models():
+    from pipeline.run import job_info
+
+    assert job_info(JobConfig(output="o", kivi=False, dtype="float32"))["kv_bits"] == 32
+    assert job_info(JobConfig(output="o", kivi=False))["kv_bits"] == 16
+    assert job_info(JobConfig(output="o", kv_bits=4))["kv_bits"] == 4
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -102,6 +103,22 @@ def test_actor_rows_and_errors():
     assert set(out[stats.hidden("device_name")].to_pylist()) == {"fake"}
     shard = stats.shard_stats("s", out, {"kv_bits": 2, "group_size": 32, "residual_length": 128, "model": "m"})
     assert shard[0]["num_failed"] == 3 and shard[0]["total_input_tokens"] == 3 + 2  # refused prompts ran no tokens
+
+
+def _with_hidden(table: pa.Table, name: str, values: list) -> pa.Table:
+    i = table.schema.get_field_index(stats.hidden(name))
+    return table.set_column(i, stats.hidden(name), pa.array(values, table.schema.field(i).type))
+
+
+def test_shard_stats_take_both_cache_sizes_from_one_call():
+    """Rows of one actor from two calls: the shard's peak is the call with the larger cache, with that call's bf16
+    size (the maxima taken apart would pair the sizes of two moments)."""
+    out = fake_actor()(pa.table({"prompt": ["a b", "c"]}))  # each row stands for one call here
+    small, big = sorted(random.sample(range(1, 10**6), 2))
+    out = _with_hidden(out, "kv_cache_bytes", [small, big])
+    out = _with_hidden(out, "kv_cache_bytes_bf16", [4 * big, 2 * big])
+    row = stats.shard_stats("s", out, {"model": "m"})[0]
+    assert (row["kv_cache_bytes"], row["kv_cache_bytes_bf16"]) == (big, 2 * big)
 
 
 def test_actor_reports_its_start_and_the_engines_build_time(tmp_path):

@@ -53,8 +53,17 @@ class SamplingParams:
             raise ValueError(f"unknown sampling_params keys: {sorted(unknown)}")
         for key, value in (values or {}).items():
             if value is not None:
-                base[key] = tuple(value) if key == "stop" else value
+                base[key] = _stops(value) if key == "stop" else value
         return cls(**base)
+
+
+def _stops(value: Any) -> tuple:
+    """A row's `stop`: one string, or a list of them (checked by SamplingParams)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
 
 
 @dataclass

@@ -1,0 +1,99 @@
+"""Where a job's output may lie, and what a rerun takes for a complete shard (checked before Ray starts): an output
+that would write over an input file or lie where a rerun reads input is refused; a file that is not an output shard
+is never taken for one; a shard resumes under any name of the same input data (another working directory's path,
+a folder named as a glob) and not over changed data. No Ray, no weights."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import JobConfig
+from pipeline.io import plan_input
+from pipeline.resume import row_settings, stamp
+from pipeline.run import run
+from tests.pipeline_cases import write
+
+
+def job(tmp_path, tiny_model, input, output, **kw) -> JobConfig:
+    return JobConfig(input=str(input), output=str(output), model=tiny_model, **kw)
+
+
+def finished(job_config: JobConfig) -> None:
+    """Write every shard of the job's input into its output, stamped as that job's run would have stamped it."""
+    plan = plan_input(job_config)
+    for shard in plan.shards:
+        table = pq.read_table(shard.path).drop_columns(["prompt"]).append_column(
+            "generated_text", [["done"] * shard.num_rows])
+        table = stamp(table, {**row_settings(job_config, plan), "input_data": shard.data})
+        write(f"{job_config.output}/{shard.name}.parquet")  # makes the folder
+        pq.write_table(table, f"{job_config.output}/{shard.name}.parquet")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("where", ["same", "nested", "glob-matching", "file-collision"])
+def test_an_output_in_the_input_is_refused_before_anything_is_written(tmp_path, tiny_model, where, overwrite):
+    rows = random.randint(1, 5)
+    write(str(tmp_path / "in/two.parquet"), prompt=[f"p{i}" for i in range(rows)])
+    before = (tmp_path / "in/two.parquet").read_bytes()
+    input, output = {"same": ("in", "in"), "nested": ("in", "in/out"), "glob-matching": ("in/*.parquet", "in"),
+                     "file-collision": ("in/two.parquet", "in")}[where]
+    with pytest.raises(ValueError, match="over input file|lies inside input"):
+        run(job(tmp_path, tiny_model, tmp_path / input, tmp_path / output, overwrite=overwrite))
+    assert (tmp_path / "in/two.parquet").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["two.parquet"]  # no _stats/ made either
+
+
+@pytest.mark.parametrize("input, output", [("in/*.parquet", "in/out"), ("in/two.parquet", "in/out"),
+                                           ("in", "other/in")])
+def test_an_output_beside_the_input_is_fine(tmp_path, tiny_model, input, output):
+    """A glob that does not reach the output's files, a lone file's own folder, a folder of the same name elsewhere."""
+    from pipeline.paths import check_output_apart
+    from pipeline.sink import OutputStore
+
+    write(str(tmp_path / "in/two.parquet"), prompt=["p"])
+    cfg = job(tmp_path, tiny_model, tmp_path / input, tmp_path / output)
+    store = OutputStore(cfg.output)
+    check_output_apart(plan_input(cfg), cfg.output, store.fs, store.root)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_that_is_not_a_shard_is_never_taken_for_one(tmp_path, tiny_model, overwrite):
+    write(str(tmp_path / "in/a.parquet"), prompt=["p"])
+    write(str(tmp_path / "out/a.parquet"), prompt=["a user's table"])  # no generated_text: not an output shard
+    with pytest.raises(ValueError, match="a.parquet, which is not a kivi-ray output shard"):
+        run(job(tmp_path, tiny_model, tmp_path / "in", tmp_path / "out", overwrite=overwrite))
+    assert pq.read_table(tmp_path / "out/a.parquet").column_names == ["prompt"]
+
+
+def test_a_shard_resumes_wherever_its_input_lies_now_but_not_over_other_data(tmp_path, tiny_model):
+    """As under `ray job submit`, where a relative input lies in a new temporary copy of the working directory each
+    time: the shards' recorded data match, so the rerun has nothing to do; the same files named as a glob too. A
+    changed input file is refused with its data named."""
+    n = random.randint(2, 6)
+    write(str(tmp_path / "run1/in/a.parquet"), prompt=[f"p{i}" for i in range(n)])
+    write(str(tmp_path / "run1/in/b.parquet"), prompt=["q"])
+    finished(job(tmp_path, tiny_model, tmp_path / "run1/in", tmp_path / "out"))
+    shutil.copytree(tmp_path / "run1", tmp_path / "run2")
+    for input in ("run2/in", "run2/in/*.parquet", "run1/in/*.parquet"):
+        summary = run(job(tmp_path, tiny_model, tmp_path / input, tmp_path / "out"))
+        assert (summary["shards_done"], summary["shards_skipped"]) == (0, 2), input
+    write(str(tmp_path / "run2/in/a.parquet"), prompt=[f"p{i}" for i in range(n + 1)])
+    with pytest.raises(ValueError, match=rf"shard 'a' made with other settings \(input .*; input_data '{n} rows, "):
+        run(job(tmp_path, tiny_model, tmp_path / "run2/in", tmp_path / "out"))
+    shutil.copy(tmp_path / "run2/in/a.parquet", tmp_path / "run1/in/a.parquet")  # the recorded path, new data
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input_data '"):
+        run(job(tmp_path, tiny_model, tmp_path / "run1/in", tmp_path / "out"))
+
+
+def test_a_path_with_glob_characters_that_exists_is_read_as_it_is(tmp_path, tiny_model):
+    write(str(tmp_path / "runs[1]/a.parquet"), prompt=["p", "q"])
+    for input in ("runs[1]", "runs[1]/a.parquet"):
+        plan = plan_input(job(tmp_path, tiny_model, tmp_path / input, tmp_path / "out"))
+        assert [(s.name, s.num_rows) for s in plan.shards] == [("a", 2)] and plan.pattern is None
+    write(str(tmp_path / "runs1/b.parquet"), prompt=["p"])
+    plan = plan_input(job(tmp_path, tiny_model, tmp_path / "runs[1]/*.parquet", tmp_path / "out"))  # a pattern still
+    assert [s.name for s in plan.shards] == ["runs1__b"] and plan.pattern is not None
