@@ -155,6 +155,27 @@ def test_bad_requests_become_error_rows(tiny):
     assert len(out[2].token_ids) == 64 - 10  # capped by the context, not by max_new_tokens
 
 
+def test_malformed_prompts_are_error_rows_and_a_failed_call_leaves_the_engine_clean(tiny, monkeypatch):
+    """Token ids outside the vocabulary, a text prompt, non-integer ids: error rows beside the good ones. A call that
+    raises (here its prefill) leaves nothing in flight: the next call runs as on a fresh engine."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
+    good = requests([9, 14], [5, 3], seed=int(torch.randint(0, 1000, ())))
+    bad = [Request("neg", [5, -1, 7]), Request("big", [3, tiny.config.vocab_size]), Request("text", "hello"),
+           Request("float", [5.0, 6.5])]
+    expected = [c.token_ids for c in LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI)).generate(good)]
+    out = engine.generate([good[0], *bad, good[1]])
+    assert [c.finish_reason for c in out] == ["length", "error", "error", "error", "error", "length"]
+    assert "-1" in out[1].error and str(tiny.config.vocab_size) in out[2].error and "list" in out[3].error
+    assert [out[0].token_ids, out[-1].token_ids] == expected
+    runner_prefill = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.generate(good)
+    assert not engine.active and not engine.has_work()
+    monkeypatch.setattr(engine.runner, "prefill", runner_prefill)
+    assert [c.token_ids for c in engine.generate(good)] == expected
+
+
 def test_stop_strings_and_eos(tiny):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
     base = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30))])[0]

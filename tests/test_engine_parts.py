@@ -290,7 +290,8 @@ def test_warm_up_lengths_follow_the_cache_and_stay_in_the_budget():
 
 
 @pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(stop="x"), dict(seed=1.5), dict(ignore_eos="yes")])
+                                 dict(stop="x"), dict(seed=1.5), dict(ignore_eos="yes"),
+                                 dict(temperature=float("inf")), dict(temperature=float("nan"))])
 def test_sampling_params_reject_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -323,3 +324,40 @@ def test_sampler_respects_top_k_top_p_and_greedy_rows():
     p_top = probs[1, 0] / probs[1, :5].sum()
     freq = (out[:, 1] == order[1, 0]).float().mean()
     assert abs(freq - p_top) < 5 * (p_top * (1 - p_top) / n) ** 0.5
+
+
+def test_top_p_counts_the_mass_of_the_top_k_only():
+    """top_k, then top_p over the survivors renormalized (Hugging Face's warpers, vLLM): over probabilities .4, .3,
+    .2, .1 with top_k 2 and top_p 0.5, the top two renormalize to .57 and .43, so only the first is kept (the mass
+    of the whole vocabulary would keep both). Then random rows against that rule, drawn many times."""
+    from pipeline.actors.engine.sampler import sample
+
+    n = 3000
+    fixed = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    out = sample(fixed.repeat(n, 1), torch.ones(n), torch.full((n,), 2), torch.full((n,), 0.5),
+                 torch.arange(n), torch.zeros(n, dtype=torch.long))
+    assert set(out.tolist()) == {0}
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(4):
+        logits = torch.randn(12, generator=gen)
+        k, p = int(torch.randint(1, 13, (), generator=gen)), float(torch.rand((), generator=gen)) * 0.9 + 0.05
+        order = logits.argsort(descending=True)[:k]
+        probs = logits[order].softmax(-1)
+        keep = set(order[: int(((probs.cumsum(0) - probs) < p).sum())].tolist())
+        out = sample(logits.repeat(n, 1), torch.ones(n), torch.full((n,), k), torch.full((n,), p),
+                     torch.arange(n), torch.zeros(n, dtype=torch.long))
+        likely = {int(order[i]) for i in range(len(keep)) if probs[i] / probs[: len(keep)].sum() > 0.01}
+        assert likely <= set(out.tolist()) <= keep, (k, p)
+
+
+def test_near_zero_temperatures_are_greedy_and_huge_seeds_and_top_k_sample():
+    from pipeline.actors.engine.sampler import picker
+
+    logits = torch.randn(3, 40) * 4
+    greedy = logits.argmax(-1)
+    cold = [SamplingParams(temperature=t) for t in (1e-30, 1e-6, 0.0)]
+    assert torch.equal(picker(cold, [1, 2, 3], [0, 0, 0], torch.device("cpu"))(logits, 0), greedy)
+    big = [SamplingParams(temperature=1.0, seed=2**70 + 5, top_k=2**70), SamplingParams(temperature=1.0, seed=5),
+           SamplingParams(temperature=1.0, seed=-(2**65))]
+    tokens = picker(big, [p.seed for p in big], [0, 0, 0], torch.device("cpu"))(logits[[0, 0, 0]], 0)
+    assert tokens[0] == tokens[1]  # the low 32 bits of the seed pick the draws (documented)

@@ -30,6 +30,7 @@ class LLMEngine:
         self.dtype = next(model.parameters()).dtype
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2**31
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # prompt ids must index it
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
@@ -81,10 +82,15 @@ class LLMEngine:
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run every request to completion; completions come back in the order of `requests`."""
         t_start = time.perf_counter()
-        submission = self.add(requests)
-        while submission.pending:
-            self.step()
-        self.stats_acc["wall_s"] += time.perf_counter() - t_start
+        try:
+            submission = self.add(requests)
+            while submission.pending:
+                self.step()
+        except BaseException:  # nothing else is in flight in this call's engine: leave it empty for the next call
+            self.abort()
+            raise
+        finally:
+            self.stats_acc["wall_s"] += time.perf_counter() - t_start
         return submission.results
 
     def add(self, requests: list[Request], on_done: Callable[[Submission], None] | None = None,
@@ -96,7 +102,7 @@ class LLMEngine:
         sub = Submission(results=[None] * len(requests), t_start=t_start or time.perf_counter(), on_done=on_done)
         seqs = []
         for index, request in enumerate(requests):
-            problem = request.problem(self.max_model_len)
+            problem = request.problem(self.max_model_len, self.vocab_size)
             if problem:
                 sub.results[index] = request.error(problem)
                 continue

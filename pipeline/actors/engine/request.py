@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# temperatures below this are greedy (logits / T overflows near 0); vLLM draws the same line
+GREEDY_BELOW = 1e-5
 
 
 def _is_int(value: Any) -> bool:
@@ -18,7 +23,9 @@ def _is_number(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens: greedy when temperature == 0 (the default)."""
+    """How to pick tokens: greedy when temperature < GREEDY_BELOW (0, the default). top_k keeps the k likeliest
+    tokens, then top_p the likeliest of those whose mass (renormalized over them) reaches p, as in Hugging Face's
+    and vLLM's samplers. seed: any integer; its low 32 bits pick the draws."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -31,8 +38,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not (_is_number(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -72,17 +79,26 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
-    def problem(self, max_model_len: int) -> str | None:
-        """Why the engine cannot run this request, or None."""
-        n = len(self.prompt_token_ids)
+    def problem(self, max_model_len: int, vocab_size: int | None = None) -> str | None:
+        """Why the engine cannot run this request, or None: an empty or too long prompt, or one that is not a list
+        of token ids in [0, vocab_size)."""
+        ids = self.prompt_token_ids
+        if not isinstance(ids, (list, tuple)) or not (all(type(t) is int for t in ids) or all(  # fast path first
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)):
+            return f"prompt_token_ids must be a list of integer token ids, got {type(ids).__name__}"
+        n = len(ids)
         if n == 0:
             return "empty prompt"
         if n >= max_model_len:
             return f"prompt of {n} tokens does not fit the model's context of {max_model_len} tokens"
+        if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            return f"token id {bad} is outside the model's vocabulary [0, {vocab_size})"
         return None
 
     def error(self, message: str) -> Completion:
-        return Completion(self.request_id, "", [], len(self.prompt_token_ids), "error", message)
+        n = len(self.prompt_token_ids) if isinstance(self.prompt_token_ids, (list, tuple)) else 0
+        return Completion(self.request_id, "", [], n, "error", message)
 
 
 @dataclass
