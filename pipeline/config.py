@@ -186,6 +186,8 @@ def build(file_settings: dict[str, Any], flag_settings: dict[str, Any]) -> JobCo
         raise ValueError("output is required (--output or `output:` in the config file)")
     if isinstance(merged.get("stop"), str):
         merged["stop"] = (merged["stop"],)
+    if "stop" in merged and merged["stop"] is None:  # YAML `stop:` or `stop: null`: no stop strings
+        merged["stop"] = ()
     for name, value in merged.items():
         _check_type(name, value)
     return JobConfig(**merged)

@@ -10,6 +10,7 @@ shard and position by counting.
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ class Shard:
     num_rows: int
     path: str | None = None  # the parquet file (a filesystem path), None for Hugging Face row blocks
     start: int = 0  # first row of a Hugging Face block
-    data: str | None = None  # what the rows are, wherever they lie: the file's rows and bytes, or the block's rows
-    #                          of the dataset's fingerprint (resume compares it; pipeline.resume.check_resume)
+    # cheap facts of the rows, wherever they lie: the file's rows and bytes, or the block's place in the dataset and
+    # the dataset's fingerprint (pipeline.resume.check_resume; with content_digest for a file that moved)
+    data: dict[str, Any] | None = None
 
     def default_id(self, row: int) -> str:
         """Id of row `row` of this shard when the input has no `id` column."""
@@ -173,7 +175,7 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
         if name in seen:  # a/b.parquet and a__b.parquet: both outputs would be <out>/a__b.parquet
             raise ValueError(f"input files {seen[name]!r} and {f!r} both map to shard {name!r}; rename one")
         seen[name] = f
-    shards = [Shard(n, rows, path=f, data=f"{rows} rows, {size} bytes")
+    shards = [Shard(n, rows, path=f, data={"rows": rows, "bytes": size})
               for n, f, (_, rows, size) in zip(names, files, metas, strict=True)]
     glob = _has_glob(path, fs)
     return InputPlan("parquet", shards, schema, source="", filesystem=fs, root=root if glob or fs.isdir(path) else None,
@@ -256,9 +258,20 @@ def _plan_hf(url: str, cfg: JobConfig) -> InputPlan:
     n, size = len(ds), cfg.hf_shard_rows
     fingerprint = getattr(ds, "_fingerprint", None)  # saved in the dataset's state.json: the same on every load
     shards = [Shard(f"rows-{s:09d}-{min(s + size, n) - 1:09d}", min(size, n - s), start=s,
-                    data=f"rows {s}-{min(s + size, n) - 1} of dataset {fingerprint}" if fingerprint else None)
+                    data={"rows": min(size, n - s), "first_row": s, "dataset": fingerprint} if fingerprint else None)
               for s in range(0, n, size)]
     return InputPlan("hf", shards, ds.data.schema, source="", hf_dataset=ds)
+
+
+def content_digest(plan: InputPlan, shard: Shard) -> str | None:
+    """SHA-256 of a Parquet shard's file (None for a dataset's block, whose fingerprint names its data)."""
+    if shard.path is None:
+        return None
+    digest = hashlib.sha256()
+    with plan.filesystem.open(shard.path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_dataset(plan: InputPlan, shards: list[Shard]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -83,14 +83,17 @@ FOREIGN = {"not a kivi-ray shard": True}  # shard_settings' answer for a file th
 
 
 def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
-    """{shard: its recorded settings; None for a shard written before they were recorded; FOREIGN for a file that
-    cannot be read or lacks the output columns}."""
+    """{shard: its recorded settings; None for a shard written before they were recorded; FOREIGN for a file that is
+    not Parquet or lacks the output columns}. ValueError naming the file when it cannot be read (permissions, a
+    store's error), rather than guessing what it holds."""
 
     def read(name: str) -> dict[str, Any] | None:
         try:
             with store.fs.open(store.shard_path(name), "rb") as f:
                 schema = pq.ParquetFile(f).schema_arrow
-        except (OSError, ValueError, pa.ArrowException):
+        except OSError as e:  # before pyarrow's errors: its I/O errors are OSErrors too
+            raise ValueError(f"cannot read {store.shard_path(name)!r} to check it: {e}") from None
+        except (ValueError, pa.ArrowException):  # "not a Parquet file" (ArrowInvalid, a ValueError)
             return FOREIGN
         meta = schema.metadata or {}
         if SETTINGS_KEY in meta:
@@ -103,6 +106,14 @@ def shard_settings(store, names: list[str]) -> dict[str, dict[str, Any] | None]:
 
 # what a shard recorded before a row field existed was made with: the field's value then
 _BEFORE_FIELD = {"kv_scale_dtype": lambda previous: "model" if previous.get("kivi") else None}
+
+
+def _same_data(was: dict[str, Any], now: dict[str, Any], digest: Callable[[str], str | None], name: str) -> bool:
+    """Whether a shard's recorded data and this input's (their cheap facts equal) are the same rows: a dataset's
+    fingerprint says so, a file's recorded SHA-256 must equal the file's now."""
+    if now.get("dataset") is not None:
+        return True
+    return was.get("sha256") is not None and digest(name) == was["sha256"]
 
 
 _DEFAULTS_SHOWN = {"input": "<sample prompts>", "model": "<SmolLM2-135M-Instruct>"}  # what None records
@@ -123,21 +134,26 @@ def check_ours(recorded: dict[str, dict[str, Any] | None], output: str, input_da
 
 
 def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str,
-                 input_data: Mapping[str, str | None]) -> None:
+                 input_data: Mapping[str, dict[str, Any] | None],
+                 digest: Callable[[str], str | None] = lambda name: None) -> None:
     """ValueError when a complete shard of `output` that this run keeps was made with other settings.
     `input_data`: {name: Shard.data} of this input's shards (--overwrite redoes those; it keeps any other shard), so
     a mismatched shard of another input is reported first: --overwrite would not fix that one. A shard of this input
-    whose recorded data is this shard's data matches whatever path the input is named by now (a relative path
-    under another working directory, a folder named as a glob); with other data it does not."""
+    whose rows and bytes (or dataset block) differ from those recorded is refused. One whose input path changed (a
+    relative path under another working directory, a folder named as a glob) resumes only where the data are the
+    same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then)."""
     mismatched = []
     for name, previous in sorted(recorded.items()):
         if previous is None or previous is FOREIGN:
             continue
         previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
         current = dict(settings)
-        if name in input_data:
-            current["input_data"] = input_data[name]
-            if previous.get("input_data") is not None and previous["input_data"] == input_data[name]:
+        was, now = previous.get("input_data"), input_data.get(name)
+        if name in input_data and isinstance(was, dict) and now is not None:
+            cheap = {k: was.get(k) for k in now}
+            if cheap != now:
+                current["input_data"], previous["input_data"] = now, cheap
+            elif previous.get("input") != settings.get("input") and _same_data(was, now, digest, name):
                 current["input"] = previous.get("input")  # the same rows, wherever the input lies now
         changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in current.items()
                    if previous.get(k, v) != v]

@@ -11,7 +11,7 @@ from typing import Any
 from pipeline import resume, stats
 from pipeline.actors.actor import StreamingGenerateActor, model_location
 from pipeline.config import JobConfig
-from pipeline.io import InputPlan, Shard, plan_input, read_dataset
+from pipeline.io import InputPlan, Shard, content_digest, plan_input, read_dataset
 from pipeline.paths import check_output_apart
 from pipeline.progress import LiveCounter, Progress
 from pipeline.sink import OutputStore, ShardAssembler
@@ -36,7 +36,9 @@ def run(job: JobConfig) -> dict[str, Any]:
     recorded = resume.shard_settings(store, sorted(complete))
     resume.check_ours(recorded, job.output, input_data)  # a file of another program where a shard of ours goes
     kept = complete - {s.name for s in todo}  # every complete shard this run does not redo
-    resume.check_resume(settings, {n: recorded[n] for n in sorted(kept)}, job.output, input_data)
+    by_name = {s.name: s for s in plan.shards}
+    resume.check_resume(settings, {n: recorded[n] for n in sorted(kept)}, job.output, input_data,
+                        digest=lambda name: content_digest(plan, by_name[name]))
     log.info(
         "input %s: %d shards, %d rows (prompts from %s%s); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",

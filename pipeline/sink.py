@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import stats
-from pipeline.io import OUTPUT_COLUMNS, InputPlan, Shard, filesystem
+from pipeline.io import OUTPUT_COLUMNS, InputPlan, Shard, content_digest, filesystem
 from pipeline.resume import stamp
 
 STATS_DIR = "_stats"
@@ -131,8 +131,9 @@ class ShardAssembler:
             self.tpots_ms += [t * 1e3 for t in table[stats.hidden("tpot_s")].to_pylist() if t is not None]
             table = self._output_table(shard, stats.strip_hidden(table))
         self.store.write_table(self.store.stats_path(shard.name), stats.stats_table(rows))
-        if self.settings is not None:  # with the shard's own data (pipeline.io.Shard.data), which resume compares
-            table = stamp(table, {**self.settings, "input_data": shard.data})
+        if self.settings is not None:  # with the shard's own data, which resume compares (pipeline.resume)
+            data = shard.data and {**shard.data, "sha256": content_digest(self.plan, shard)}
+            table = stamp(table, {**self.settings, "input_data": data})
         self.store.write_table(self.store.shard_path(shard.name), table)
         self.stats_rows += rows
         self.shards_written += 1

@@ -242,7 +242,7 @@ def test_sampling_params_reject_booleans_and_strings(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams.from_dict(bad)
     if next(iter(bad)) in ("temperature", "top_p"):  # a type error reads as one, not as a range error
-        with pytest.raises(ValueError, match="must be a number"):
+        with pytest.raises(ValueError, match="must be a (finite )?number"):
             SamplingParams.from_dict(bad)
 
 
@@ -262,6 +262,10 @@ def test_yaml_values_of_the_wrong_type_are_errors(name, value, kind):
     """Fields whose default is None (or that have none) are typed by their annotation; `stop` must hold strings."""
     with pytest.raises(ValueError, match=f"{name} must be {kind}, got "):
         build({name: value}, {} if name == "output" else {"output": "o"})
+
+
+def test_an_empty_yaml_stop_means_no_stop_strings():
+    assert build({"stop": None}, {"output": "o"}).stop == ()
 
 
 def test_a_rows_stop_string_is_one_stop():

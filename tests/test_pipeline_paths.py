@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import JobConfig
-from pipeline.io import plan_input
+from pipeline.io import content_digest, plan_input
 from pipeline.resume import row_settings, stamp
 from pipeline.run import run
 from tests.pipeline_cases import write
@@ -28,29 +28,38 @@ def finished(job_config: JobConfig) -> None:
     for shard in plan.shards:
         table = pq.read_table(shard.path).drop_columns(["prompt"]).append_column(
             "generated_text", [["done"] * shard.num_rows])
-        table = stamp(table, {**row_settings(job_config, plan), "input_data": shard.data})
+        data = {**shard.data, "sha256": content_digest(plan, shard)}
+        table = stamp(table, {**row_settings(job_config, plan), "input_data": data})
         write(f"{job_config.output}/{shard.name}.parquet")  # makes the folder
         pq.write_table(table, f"{job_config.output}/{shard.name}.parquet")
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-@pytest.mark.parametrize("where", ["same", "nested", "glob-matching", "file-collision"])
+@pytest.mark.parametrize("where", ["same", "nested", "glob-matching", "file-collision", "glob-zero-folders",
+                                   "linked-file"])
 def test_an_output_in_the_input_is_refused_before_anything_is_written(tmp_path, tiny_model, where, overwrite):
     rows = random.randint(1, 5)
-    write(str(tmp_path / "in/two.parquet"), prompt=[f"p{i}" for i in range(rows)])
-    before = (tmp_path / "in/two.parquet").read_bytes()
-    input, output = {"same": ("in", "in"), "nested": ("in", "in/out"), "glob-matching": ("in/*.parquet", "in"),
-                     "file-collision": ("in/two.parquet", "in")}[where]
+    write(str(tmp_path / "in/sub/two.parquet"), prompt=[f"p{i}" for i in range(rows)])
+    before = (tmp_path / "in/sub/two.parquet").read_bytes()
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links/two.parquet").symlink_to(tmp_path / "in/sub/two.parquet")
+    input, output = {"same": ("in", "in"), "nested": ("in", "in/out"), "glob-matching": ("in/*/*.parquet", "in/x"),
+                     "file-collision": ("in/sub/two.parquet", "in/sub"),
+                     "glob-zero-folders": ("in/**/*.parquet", "in"),  # ** matches no folder too: in/sub__two.parquet
+                     "linked-file": ("links/two.parquet", "in/sub")}[where]  # the output would replace the link's file
     with pytest.raises(ValueError, match="over input file|lies inside input"):
         run(job(tmp_path, tiny_model, tmp_path / input, tmp_path / output, overwrite=overwrite))
-    assert (tmp_path / "in/two.parquet").read_bytes() == before
-    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["two.parquet"]  # no _stats/ made either
+    assert (tmp_path / "in/sub/two.parquet").read_bytes() == before
+    assert sorted(str(p.relative_to(tmp_path / "in")) for p in (tmp_path / "in").rglob("*")) == [
+        "sub", "sub/two.parquet"]  # no _stats/ made either
 
 
 @pytest.mark.parametrize("input, output", [("in/*.parquet", "in/out"), ("in/two.parquet", "in/out"),
-                                           ("in", "other/in")])
+                                           ("in", "other/in"), ("in", "in/_out"), ("in/**/*.parquet", "in/.out/x"),
+                                           ("in", "in-out")])
 def test_an_output_beside_the_input_is_fine(tmp_path, tiny_model, input, output):
-    """A glob that does not reach the output's files, a lone file's own folder, a folder of the same name elsewhere."""
+    """A glob that does not reach the output's files, a lone file's own folder, a folder of the same name elsewhere,
+    folders inside the input whose names start with _ or . (its listing skips them), a sibling sharing a prefix."""
     from pipeline.paths import check_output_apart
     from pipeline.sink import OutputStore
 
@@ -71,8 +80,9 @@ def test_a_file_that_is_not_a_shard_is_never_taken_for_one(tmp_path, tiny_model,
 
 def test_a_shard_resumes_wherever_its_input_lies_now_but_not_over_other_data(tmp_path, tiny_model):
     """As under `ray job submit`, where a relative input lies in a new temporary copy of the working directory each
-    time: the shards' recorded data match, so the rerun has nothing to do; the same files named as a glob too. A
-    changed input file is refused with its data named."""
+    time: the shards' recorded data (rows, bytes, SHA-256) match, so the rerun has nothing to do; the same files
+    named as a glob too. Another file of the same name, rows and size elsewhere is refused by its path; a file whose
+    rows or size changed, by its data."""
     n = random.randint(2, 6)
     write(str(tmp_path / "run1/in/a.parquet"), prompt=[f"p{i}" for i in range(n)])
     write(str(tmp_path / "run1/in/b.parquet"), prompt=["q"])
@@ -81,11 +91,17 @@ def test_a_shard_resumes_wherever_its_input_lies_now_but_not_over_other_data(tmp
     for input in ("run2/in", "run2/in/*.parquet", "run1/in/*.parquet"):
         summary = run(job(tmp_path, tiny_model, tmp_path / input, tmp_path / "out"))
         assert (summary["shards_done"], summary["shards_skipped"]) == (0, 2), input
+    write(str(tmp_path / "run3/in/a.parquet"), prompt=[f"P{i}" for i in range(n)])  # same names, rows and bytes
+    write(str(tmp_path / "run3/in/b.parquet"), prompt=["q"])
+    assert (tmp_path / "run3/in/a.parquet").stat().st_size == (tmp_path / "run1/in/a.parquet").stat().st_size
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input '.*run1/in' -> '.*run3/in'\)"):
+        run(job(tmp_path, tiny_model, tmp_path / "run3/in", tmp_path / "out"))
     write(str(tmp_path / "run2/in/a.parquet"), prompt=[f"p{i}" for i in range(n + 1)])
-    with pytest.raises(ValueError, match=rf"shard 'a' made with other settings \(input .*; input_data '{n} rows, "):
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input .*; input_data \{'rows': "
+                                         rf"{n}, "):
         run(job(tmp_path, tiny_model, tmp_path / "run2/in", tmp_path / "out"))
     shutil.copy(tmp_path / "run2/in/a.parquet", tmp_path / "run1/in/a.parquet")  # the recorded path, new data
-    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input_data '"):
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input_data \{'rows'"):
         run(job(tmp_path, tiny_model, tmp_path / "run1/in", tmp_path / "out"))
 
 
@@ -97,3 +113,10 @@ def test_a_path_with_glob_characters_that_exists_is_read_as_it_is(tmp_path, tiny
     write(str(tmp_path / "runs1/b.parquet"), prompt=["p"])
     plan = plan_input(job(tmp_path, tiny_model, tmp_path / "runs[1]/*.parquet", tmp_path / "out"))  # a pattern still
     assert [s.name for s in plan.shards] == ["runs1__b"] and plan.pattern is not None
+
+
+def test_a_shard_that_cannot_be_read_is_named_not_guessed(tmp_path, tiny_model):
+    write(str(tmp_path / "in/a.parquet"), prompt=["p"])
+    (tmp_path / "out/a.parquet").mkdir(parents=True)  # opening it fails with an OSError, as a store's error would
+    with pytest.raises(ValueError, match=r"cannot read '.*out/a.parquet' to check it"):
+        run(job(tmp_path, tiny_model, tmp_path / "in", tmp_path / "out"))
