@@ -26,7 +26,7 @@ def check_output_apart(plan: InputPlan, output: str, out_fs: Any, out_root: str)
                              "give another --output")
     if plan.root is None:
         return
-    root = _norm(plan.filesystem, plan.root)
+    root = _norm(plan.filesystem, plan.root) if plan.root else ""  # "": a glob with a wildcard in its first part
     pattern = re.compile(glob_translate(_norm(plan.filesystem, plan.pattern))) if plan.pattern else None
     if any(_read_back(root, pattern, target) for target in targets.values()):
         raise ValueError(f"output {output!r} lies inside input {plan.pattern or plan.root!r}: a rerun would read the "
@@ -36,7 +36,7 @@ def check_output_apart(plan: InputPlan, output: str, out_fs: Any, out_root: str)
 
 def _read_back(root: str, pattern: re.Pattern | None, target: str) -> bool:
     """Whether the input's listing (pipeline.io._list_parquet) would take file `target`."""
-    if not target.startswith(root.rstrip("/") + "/"):
+    if root and not target.startswith(root.rstrip("/") + "/"):
         return False
     if any(part.startswith((".", "_")) for part in target[len(root):].strip("/").split("/")):
         return False

@@ -149,6 +149,9 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
         previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
         current = dict(settings)
         was, now = previous.get("input_data"), input_data.get(name)
+        if isinstance(was, str) and now is not None and "bytes" in now:  # 320f1d1's form: "<rows> rows, <bytes> bytes"
+            was = {"rows": now["rows"], "bytes": now["bytes"]} if was == f"{now['rows']} rows, {now['bytes']} bytes" \
+                else {"rows": was, "bytes": None}
         if name in input_data and isinstance(was, dict) and now is not None:
             cheap = {k: was.get(k) for k in now}
             if cheap != now:

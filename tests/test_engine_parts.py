@@ -361,3 +361,17 @@ def test_near_zero_temperatures_are_greedy_and_huge_seeds_and_top_k_sample():
            SamplingParams(temperature=1.0, seed=-(2**65))]
     tokens = picker(big, [p.seed for p in big], [0, 0, 0], torch.device("cpu"))(logits[[0, 0, 0]], 0)
     assert tokens[0] == tokens[1]  # the low 32 bits of the seed pick the draws (documented)
+
+
+def test_a_temperature_just_under_the_greedy_line_is_greedy_in_any_batch():
+    """picker decides "all greedy" in double; the rows' tensor must agree in float32, where 9.9999999e-6 rounds to
+    1e-5: with a sampled row beside them, such rows stay greedy (on logits tied between two tokens, sampling would
+    pick the other one about half the time)."""
+    from pipeline.actors.engine.sampler import picker
+
+    n = 20
+    logits = torch.full((n + 1, 10), -5.0)
+    logits[:, 3] = logits[:, 7] = 2.0  # argmax: 3
+    params = [SamplingParams(temperature=9.9999999e-6, seed=i) for i in range(n)] + [SamplingParams(temperature=1.0)]
+    tokens = picker(params, list(range(n + 1)), [0] * (n + 1), torch.device("cpu"))(logits, 0)
+    assert tokens[:n].tolist() == [3] * n

@@ -120,3 +120,24 @@ def test_a_shard_that_cannot_be_read_is_named_not_guessed(tmp_path, tiny_model):
     (tmp_path / "out/a.parquet").mkdir(parents=True)  # opening it fails with an OSError, as a store's error would
     with pytest.raises(ValueError, match=r"cannot read '.*out/a.parquet' to check it"):
         run(job(tmp_path, tiny_model, tmp_path / "in", tmp_path / "out"))
+
+
+def test_a_glob_with_a_wildcard_in_its_first_part_is_checked_too(tmp_path, tiny_model):
+    """Its listing's root is "" (nothing before the first wildcard): the output is still matched against it."""
+    write(str(tmp_path / "in/a.parquet"), prompt=["p"])
+    first, *rest = tmp_path.parts[1:]
+    pattern = "/" + "/".join([first[:-1] + "*", *rest, "i*", "*.parquet"])  # e.g. /tm*/.../i*/*.parquet
+    with pytest.raises(ValueError, match="lies inside input"):
+        run(job(tmp_path, tiny_model, pattern, tmp_path / "in2"))  # a rerun's glob would read in2/a.parquet
+
+
+def test_shards_recorded_with_the_first_form_of_input_data_are_still_checked():
+    """320f1d1 recorded "<rows> rows, <bytes> bytes": the same facts resume, others are refused."""
+    from pipeline.resume import check_resume
+
+    rows, size = random.randint(1, 99), random.randint(100, 9999)
+    settings = {"input": "/in", "max_new_tokens": 8}
+    recorded = {"a": dict(settings, input_data=f"{rows} rows, {size} bytes")}
+    check_resume(settings, recorded, "out", {"a": {"rows": rows, "bytes": size}})
+    with pytest.raises(ValueError, match="input_data"):
+        check_resume(settings, recorded, "out", {"a": {"rows": rows + 1, "bytes": size + 3}})

@@ -56,7 +56,10 @@ def sampling_rows(params: Sequence, seeds: list[int], steps: list[int], device: 
                   ) -> tuple[torch.Tensor, ...]:
     """sample()'s per-row arguments on `device`: temperature, top_k, top_p, seeds, steps [B], from the rows'
     SamplingParams, seeds and tokens generated so far."""
-    return (torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32),
+    # greedy or not is decided here, in double as picker() decides it: a temperature just under GREEDY_BELOW must
+    # not round up to it in float32 and sample in a batch with sampled rows while it is greedy alone
+    return (torch.tensor([p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in params], device=device,
+                         dtype=torch.float32),
             torch.tensor([min(p.top_k, _MAX_K) for p in params], device=device, dtype=torch.int64),
             torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32),
             torch.tensor([s & _MASK32 for s in seeds], device=device, dtype=torch.int64),  # the bits the hash uses
