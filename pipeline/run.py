@@ -54,11 +54,13 @@ def run(job: JobConfig) -> dict[str, Any]:
         log.info("nothing to do: every shard is complete in %s (--overwrite redoes them)", job.output)
         return stats.summarize([], [], time.perf_counter() - start, len(plan.shards), shards_done=0)
     assembler = ShardAssembler(plan, todo, store, job_info(job), settings=settings)
-    if any(s.num_rows for s in todo):
-        try:
+    try:
+        if any(s.num_rows for s in todo):
             _generate(job, plan, [s for s in todo if s.num_rows], assembler)
-        except ValueError as e:  # raised inside the actors: the job ran and failed (not a bad-input error)
-            raise RuntimeError(f"generation failed: {e}") from e
+    except ValueError as e:  # raised inside the actors: the job ran and failed (not a bad-input error)
+        raise RuntimeError(f"generation failed: {e}") from e
+    finally:
+        assembler.close()
     assembler.finish()
     summary = stats.summarize(
         assembler.stats_rows, assembler.ttfts_ms, time.perf_counter() - start, len(plan.shards) - len(todo),

@@ -15,6 +15,7 @@ import logging
 import posixpath
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -97,6 +98,10 @@ class ShardAssembler:
         self.ttfts_ms: list[float] = []
         self.tpots_ms: list[float] = []
         self.shards_written = 0
+        # each input file's SHA-256 (recorded in its shard), hashed in the background while the rows generate
+        self._hashing = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kivi-ray-sha256")
+        self._digests = {s.name: self._hashing.submit(content_digest, plan, s) for s in shards
+                         if settings is not None and s.data}
         self._flush_complete()
 
     def add(self, batch: pa.Table) -> None:
@@ -110,7 +115,12 @@ class ShardAssembler:
             batch = batch.slice(take)
             self._flush_complete()
 
+    def close(self) -> None:
+        """Stop hashing input files that no shard will need now (the job ended or failed)."""
+        self._hashing.shutdown(wait=False, cancel_futures=True)
+
     def finish(self) -> None:
+        self.close()
         if self.pending:
             raise RuntimeError(f"input ended with {len(self.pending)} shards incomplete: rows were lost")
 
@@ -132,7 +142,7 @@ class ShardAssembler:
             table = self._output_table(shard, stats.strip_hidden(table))
         self.store.write_table(self.store.stats_path(shard.name), stats.stats_table(rows))
         if self.settings is not None:  # with the shard's own data, which resume compares (pipeline.resume)
-            data = shard.data and {**shard.data, "sha256": content_digest(self.plan, shard)}
+            data = shard.data and {**shard.data, "sha256": self._digests[shard.name].result()}
             table = stamp(table, {**self.settings, "input_data": data})
         self.store.write_table(self.store.shard_path(shard.name), table)
         self.stats_rows += rows

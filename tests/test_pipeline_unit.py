@@ -3,6 +3,7 @@ assembly, and the CPU actor pool. Configuration and input planning are in test_p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -163,7 +164,7 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
     store.prepare()
     actor = fake_actor(max_new_tokens=2)
     info = {"kv_bits": 2, "group_size": 32, "residual_length": 128, "model": "fake"}
-    asm = ShardAssembler(plan, plan.shards, store, info)
+    asm = ShardAssembler(plan, plan.shards, store, info, settings={"max_new_tokens": 2})
     rows = pa.concat_tables([pq.read_table(s.path) for s in plan.shards if s.num_rows])
     asm.add(actor(rows.slice(0, 2)))  # batches cross shard boundaries
     assert store.completed() == set()  # shard a is not whole yet
@@ -181,6 +182,11 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
         "error",
     ]
     assert a["id"].to_pylist() == ["a-0", "a-1", "a-2"] and a["topic"].to_pylist() == ["x", "y", "z"]
+    for name in "abc":  # each shard records its own input file's rows, bytes and SHA-256 (hashed in the background)
+        recorded = json.loads(pq.read_schema(store.shard_path(name)).metadata[b"kivi_ray.settings"])["input_data"]
+        data = (tmp_path / f"in/{name}.parquet").read_bytes()
+        assert recorded == {"rows": pq.read_metadata(str(tmp_path / f"in/{name}.parquet")).num_rows,
+                            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     st = pq.read_table(store.stats_path("b")).to_pylist()
     assert len(st) == 1 and st[0]["shard"] == "b" and st[0]["num_requests"] == 1
     assert st[0]["total_input_tokens"] == 2 and st[0]["total_output_tokens"] == 2
