@@ -90,12 +90,13 @@ def plan_input(cfg: JobConfig) -> InputPlan:
     url = cfg.input or str(SAMPLE_PROMPTS)
     fs, path = filesystem(url, cfg.s3_endpoint_url)
     try:
-        is_hf = not _has_glob(path, fs) and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
+        glob = _has_glob(path, fs)
+        is_hf = not glob and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: name the path
         raise ValueError(f"cannot read input {url!r}: {e}") from None
     if cfg.split is not None and not is_hf:
         raise ValueError(f"split={cfg.split!r} applies to a saved Hugging Face DatasetDict; input {url!r} is Parquet")
-    plan = _plan_hf(url, cfg) if is_hf else _plan_parquet(fs, path, url)
+    plan = _plan_hf(url, cfg) if is_hf else _plan_parquet(fs, path, url, glob)
     plan.filesystem = fs
     if is_hf:
         plan.root = path
@@ -160,8 +161,8 @@ def _has_glob(path: str, fs: Any = None) -> bool:
     return fs is None or not fs.exists(path)
 
 
-def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
-    files, root = _list_parquet(fs, path, url)
+def _plan_parquet(fs: Any, path: str, url: str, glob: bool) -> InputPlan:
+    files, root, one_file = _list_parquet(fs, path, url, glob)
     with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
         metas = list(pool.map(lambda f: _footer(fs, f), files))
     schema = metas[0][0]
@@ -177,8 +178,7 @@ def _plan_parquet(fs: Any, path: str, url: str) -> InputPlan:
         seen[name] = f
     shards = [Shard(n, rows, path=f, data={"rows": rows, "bytes": size})
               for n, f, (_, rows, size) in zip(names, files, metas, strict=True)]
-    glob = _has_glob(path, fs)
-    return InputPlan("parquet", shards, schema, source="", filesystem=fs, root=root if glob or fs.isdir(path) else None,
+    return InputPlan("parquet", shards, schema, source="", filesystem=fs, root=None if one_file else root,
                      pattern=path if glob else None)
 
 
@@ -201,15 +201,17 @@ def _types_merge(a: pa.DataType, b: pa.DataType) -> bool:
         return False
 
 
-def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:
-    """Parquet files (sorted) and the root their shard names are relative to."""
-    if _has_glob(path, fs):
+def _list_parquet(fs: Any, path: str, url: str, glob: bool) -> tuple[list[str], str, bool]:
+    """Parquet files (sorted), the root their shard names are relative to, and whether the path named one file.
+    glob: whether the path is a pattern (_has_glob)."""
+    one_file = False
+    if glob:
         files, root = fs.glob(path), path[: min(path.find(c) for c in GLOB_CHARS if c in path)]
         root = root.rsplit("/", 1)[0]
     elif fs.isdir(path):
         files, root = fs.find(path), path
     elif fs.isfile(path):
-        files, root = [path], posixpath.dirname(path)
+        files, root, one_file = [path], posixpath.dirname(path), True
     else:
         raise ValueError(f"input {url!r} not found")
     rel = lambda f: f[len(root) :].lstrip("/")
@@ -217,9 +219,9 @@ def _list_parquet(fs: Any, path: str, url: str) -> tuple[list[str], str]:
         f for f in files if f.endswith(".parquet") and not any(p.startswith((".", "_")) for p in rel(f).split("/"))
     )
     if not files:
-        what = "matches no .parquet files" if _has_glob(path, fs) else "holds no .parquet files"
+        what = "matches no .parquet files" if glob else "holds no .parquet files"
         raise ValueError(f"input {url!r} {what}")
-    return files, root
+    return files, root, one_file
 
 
 def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int]:

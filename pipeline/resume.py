@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -149,9 +150,9 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
         previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
         current = dict(settings)
         was, now = previous.get("input_data"), input_data.get(name)
-        if isinstance(was, str) and now is not None and "bytes" in now:  # 320f1d1's form: "<rows> rows, <bytes> bytes"
-            was = {"rows": now["rows"], "bytes": now["bytes"]} if was == f"{now['rows']} rows, {now['bytes']} bytes" \
-                else {"rows": was, "bytes": None}
+        if isinstance(was, str):  # 320f1d1's form, "<rows> rows, <bytes> bytes": the same facts as a dict
+            facts = re.fullmatch(r"(\d+) rows, (\d+) bytes", was)
+            was = {"rows": int(facts[1]), "bytes": int(facts[2])} if facts else None
         if name in input_data and isinstance(was, dict) and now is not None:
             cheap = {k: was.get(k) for k in now}
             if cheap != now:
