@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 from dataclasses import dataclass
@@ -9,6 +10,9 @@ from dataclasses import dataclass
 import torch
 
 GiB = 2**30
+# the CPU smoke runs' model (profile_step, step_gap, prefill_gap)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=500, max_position_embeddings=1024)
 
 MODELS = {  # random-weight bf16 Llama shapes; 8192 positions so that workload c (4000 + 256) fits
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
@@ -210,3 +214,26 @@ def set_cap(cap_gib: float, device: torch.device) -> None:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total), torch.cuda.current_device())
+
+
+def probe_parser(doc: str, prompts: int, new_tokens: int) -> argparse.ArgumentParser:
+    """The flags every engine probe takes (step_gap, prefill_gap): prompts, their length and new tokens, the memory
+    cap, the CPU smoke mode and the output file; the caller adds its system flag."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=prompts)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--cap-gib", type=float, default=40.0)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU (reference kernels)")
+    p.add_argument("--out", default=None)
+    return p
+
+
+def probe_model(args: argparse.Namespace):
+    """(model, device, cuda) of a probe: the Llama-2-7B shape on the GPU under --cap-gib, or TINY on the CPU with
+    --cpu-smoke."""
+    cuda = not args.cpu_smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        set_cap(args.cap_gib, device)
+    return build_model(MODELS["llama2-7b"] if cuda else TINY, device), device, cuda

@@ -33,10 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 from common import env_header, write_json  # noqa: E402
 from engine_probe import engine_config, instrumented_runner  # noqa: E402
-from engine_setup import MODELS, StubTokenizer, build_model, free_memory, make_prompts, set_cap  # noqa: E402
-
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-            vocab_size=500, max_position_embeddings=1024)
+from engine_setup import MODELS, TINY, StubTokenizer, build_model, free_memory, make_prompts, set_cap  # noqa: E402
 
 
 class ProfileProbe:

@@ -14,7 +14,6 @@ only checks that the script runs).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -25,8 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch  # noqa: E402
 from common import env_header, finish  # noqa: E402
 from engine_probe import engine_config, instrumented_runner  # noqa: E402
-from engine_setup import MODELS, StubTokenizer, build_model, make_prompts, set_cap  # noqa: E402
-from profile_step import TINY  # noqa: E402
+from engine_setup import StubTokenizer, make_prompts, probe_model, probe_parser  # noqa: E402
 
 
 class StepProbe:
@@ -73,20 +71,10 @@ def measure(model, system: str, n: int, prompt_len: int, new_tokens: int, cap_gi
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = probe_parser(__doc__, prompts=128, new_tokens=48)
     p.add_argument("--system", default="engine-kivi-2")
-    p.add_argument("--prompts", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--cap-gib", type=float, default=40.0)
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU (reference kernels)")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
-    cuda = not args.cpu_smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    if cuda:
-        set_cap(args.cap_gib, device)
-    model = build_model(MODELS["llama2-7b"] if cuda else TINY, device)
+    model, device, cuda = probe_model(args)
     n, prompt_len, new = (args.prompts, args.prompt_len, args.new_tokens) if cuda else (4, 16, 8)
     result = measure(model, args.system, n, prompt_len, new, args.cap_gib, cuda)
     report = dict(header=env_header(device), args=vars(args), result=result)
