@@ -135,13 +135,17 @@ VARIANTS = {
     "single": dict(),  # ... one block a step on every call (before version 25; KERNEL_VARIANTS)
     "silu-mul": dict(fused_silu_mul=True),  # SwiGLU MLPs' act_fn(gate) * up as one kernel (kernels/silu_mul)
     "separate-act": dict(fused_silu_mul=False),  # ... as transformers' two ops (the default before 2026-11-30)
+    "head-major": dict(),  # decode attention's grid (B, H, splits), as before 2026-12-01 (KERNEL_VARIANTS)
+    "arrival": dict(),  # decode rows in arrival order, not longest first (KERNEL_VARIANTS)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
 KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None),
                    "page-slack": ("pipeline.actors.engine.memory", "PAGE_SLACK", 0.5),
                    "pairs": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 2),
-                   "single": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1)}
+                   "single": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1),
+                   "head-major": ("kernels.decode_attention.common", "ROW_MAJOR", False),
+                   "arrival": ("pipeline.actors.engine.scheduler", "LONGEST_FIRST", False)}
 
 
 @contextmanager

@@ -85,6 +85,25 @@ KERNEL_CASES = [
 def test_kernel_matches_reference(case: Case):
     check_against_reference(case, TOL[case.dtype], block_n=case.block_n, use_dot=case.use_dot, **dict(case.extra))
 
+@pytest.mark.parametrize("row_major", [True, False])
+def test_both_program_orders_match_reference(monkeypatch, row_major):
+    """Programs find (row, head, split) from grid (H, B, num_splits) or (B, H, num_splits) alike: rows of
+    different lengths (one empty), GQA, splits, against the reference."""
+    from kernels.decode_attention import common
+
+    monkeypatch.setattr(common, "ROW_MAJOR", row_major)
+    assert common.decode_grid(3, 2, 4) == (((2, 3, 4), True) if row_major else ((3, 2, 4), False))
+    check_against_reference(Case((300, 0, 161), 4, 2, 64, 2, 2, num_splits=3), TOL[torch.float32])
+
+
+def test_decode_grid_falls_back_past_the_grid_limit(monkeypatch):
+    from kernels.decode_attention import common
+
+    monkeypatch.setattr(common, "ROW_MAJOR", True)
+    assert common.decode_grid(common.MAX_GRID_YZ, 8, 1) == ((8, common.MAX_GRID_YZ, 1), True)
+    assert common.decode_grid(common.MAX_GRID_YZ + 1, 8, 1) == ((common.MAX_GRID_YZ + 1, 8, 1), False)
+
+
 def test_kernel_noncontiguous_query_and_fresh_output():
     case = Case((150, 40), 8, 2, 64, 2, 2)
     q, cache, _ = make_inputs(case)
@@ -189,6 +208,7 @@ def test_kernels_compile_for_h200():
                   stride_kc_w=128, stride_ks_g=128, stride_vc_t=8, stride_vs_t=4, stride_res_t=128)
     variants = [
         dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.bfloat16, q="*bf16", cache="bf16"),
+        dict(common, QG=4, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.bfloat16, q="*bf16", cache="bf16", ROW_MAJOR=True),
         dict(common, QG=1, QG_PAD=1, USE_DOT=False, DOT_DTYPE=tl.float32, q="*fp16", cache="fp16",
              K_BITS=4, V_BITS=4, SPLIT=False, LAZY_L=False, NUM_STAGES=2, stride_vc_t=16),
         dict(common, QG=3, QG_PAD=16, USE_DOT=True, DOT_DTYPE=tl.float16, q="*fp16", cache="fp16", HEAD_DIM=64,
@@ -229,11 +249,15 @@ def test_kernels_compile_for_h200():
                       dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))
     from kernels.decode_attention.kernel_mma import _decode_attention_mma_kernel
 
+    specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, ASYNC=True, ROW_MAJOR=True),
+                  dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))  # grid (splits, H, B)
     mma_consts = dict(gluon_consts, QG=4)
     mma_aligned = [a for a in _decode_attention_mma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
     specs.append((_decode_attention_mma_kernel, gluon_ptrs, dict(mma_consts, PDL=True),  # a split call on sm_90
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     s16_ptrs = dict(gluon_ptrs, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=2),
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))  # the engine's launch
     specs.append((_decode_attention_mma_kernel, s16_ptrs, mma_consts,  # bf16 query and ring, fp16 scales
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3),  # two blocks in flight

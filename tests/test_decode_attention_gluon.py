@@ -249,8 +249,9 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     names = kernel_mma._decode_attention_mma_kernel.arg_names
     passed = list(names[:len(pos)]) + [k for k in kw if k in names]
     assert sorted(passed) == sorted(names), set(names) ^ set(passed)
-    splits = grid[2]
-    assert grid[:2] == (3, 2) and splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
+    splits = grid[2]  # grid (H, B, num_splits): programs start row by row (common.decode_grid)
+    assert grid[:2] == (2, 3) and kw["ROW_MAJOR"] is True
+    assert splits > 1 and kw["SPLIT"] is True and kw["num_splits"] == splits
     assert kw["QG"] == 4 and kw["GROUP"] == 32 and kw["num_warps"] == 1 and kw["maxnreg"] == ops_mma.MMA_MAXNREG
     assert kw["STAGES"] == ops_mma.MMA_STAGES and kw["V_COPY"] == ops_mma.VALUE_COPIES[ops_mma.MMA_VALUE_COPY]
     assert kw["PDL"] is (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9)  # split calls, sm_90+
@@ -412,7 +413,7 @@ def test_fma_launcher_passes_every_kernel_argument(monkeypatch):
     got = ops_fma.launch_fma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 512, 64)
     assert got is out and len(calls) == 1
     grid, pos, kw = calls[0]
-    assert grid == (2, 3, 1)
+    assert grid == (3, 2, 1) and kw["ROW_MAJOR"] is True  # (H, B, num_splits)
     names = kernel_gluon._decode_attention_fma_kernel.arg_names
     passed = list(names[:len(pos)]) + [k for k in kw if k in names]
     assert sorted(passed) == sorted(names), set(names) ^ set(passed)

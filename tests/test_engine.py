@@ -343,6 +343,30 @@ def test_decode_ahead_drops_the_extra_token_of_rows_that_stop(tiny, monkeypatch)
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.plan.num_slots
 
 
+def test_decode_steps_take_the_longest_rows_first(tiny, monkeypatch):
+    """Each run of decode steps hands the runner its rows longest first (scheduler.LONGEST_FIRST: the kernels'
+    last wave then gets the short rows), and the tokens are those of arrival order. (Prompts are admitted longest
+    first, so arrival order is often sorted already; test_engine_parts has rows that arrive out of order.)"""
+    from pipeline.actors.engine import scheduler
+
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+    reqs = requests([5, 40, 17, 33, 61, 9], [12, 30, 8, 20, 6, 15], seed=4)
+    engine.generate(reqs[:1])  # builds the runner
+    decode, orders = engine.runner.decode, []
+
+    def recording(tokens, positions, slots):
+        orders.append(list(positions))
+        return decode(tokens, positions, slots)
+
+    monkeypatch.setattr(engine.runner, "decode", recording)
+    longest_first = engine.generate(reqs)
+    assert len(orders) > 3 and all(o == sorted(o, reverse=True) for o in orders), orders
+    monkeypatch.setattr(scheduler, "LONGEST_FIRST", False)
+    orders.clear()
+    arrival = engine.generate(reqs)
+    assert [c.token_ids for c in longest_first] == [c.token_ids for c in arrival]
+
+
 def test_a_decode_run_cut_short_still_counts_its_steps(tiny, monkeypatch):
     """An exception in the middle of a run of decode steps (a benchmark's time limit, a fault) leaves the steps
     that ran, and the batch width, in the stats (before, they were added only when the run ended)."""

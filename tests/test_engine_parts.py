@@ -251,6 +251,30 @@ def test_engine_config_rejects_bad_values(bad):
     assert EngineConfig(mlp_chunk_tokens=None).mlp_chunk_tokens is None
 
 
+def test_decode_rows_go_longest_first_ties_in_arrival_order(monkeypatch):
+    """Scheduler.decode_rows: running sequences by cached length (prompt plus output), longest first and stable;
+    with LONGEST_FIRST off, arrival order. Rows arrive out of length order when a later request has a longer
+    prompt than a running one has tokens (an actor's next shard)."""
+    from pipeline.actors.engine import scheduler
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    prompts = torch.randint(1, 60, (9,), generator=gen).tolist()
+    outputs = torch.randint(0, 30, (9,), generator=gen).tolist()
+    blocks = BlockManager(num_slots=9, num_pages=9, pages_for=lambda n: -(-n // 16))
+    sched = scheduler.Scheduler(blocks, prefill_tokens=64)
+    for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        seq = Sequence.start(i, Request(f"r{i}", list(range(1, p + 1)), SamplingParams(max_new_tokens=40)), 40)
+        seq.output = list(range(o))
+        sched.running.append(seq)
+    lengths = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    rows = sched.decode_rows()
+    assert [s.cached_len for s in rows] == sorted(lengths, reverse=True)
+    assert [s.index for s in rows] == sorted(range(9), key=lambda i: -lengths[i])  # ties keep arrival order
+    assert sched.running == sorted(sched.running, key=lambda s: s.index)  # the running list itself is left alone
+    monkeypatch.setattr(scheduler, "LONGEST_FIRST", False)
+    assert [s.index for s in sched.decode_rows()] == list(range(9))
+
+
 def test_block_manager_never_hands_out_a_page_twice():
     blocks = BlockManager(num_slots=3, num_pages=10, pages_for=lambda n: -(-n // 8))
     seqs = [Sequence.start(i, Request(str(i), [1] * 10, SamplingParams(max_new_tokens=15)), 15) for i in range(4)]

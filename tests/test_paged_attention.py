@@ -119,6 +119,20 @@ def test_paged_decode_attention(case):
             assert (got[b] == 0).all()
 
 
+@pytest.mark.parametrize("row_major", [True, False])
+def test_paged_decode_both_program_orders(monkeypatch, row_major):
+    """grid (H, B, num_splits) and (B, H, num_splits) read the same programs: rows of different lengths, splits."""
+    from kernels.decode_attention import common
+
+    monkeypatch.setattr(common, "ROW_MAJOR", row_major)
+    lens, Hq, H, D, P = (70, 0, 200, 33), 4, 2, 64, 32
+    args, _ = attention_inputs(f"grid-{row_major}", lens, Hq, H, D, P, torch.float32)
+    expected = reference.paged_decode_attention(*args, sm_scale=D**-0.5, page_size=P)
+    out = torch.full(args[0].shape, math.nan, dtype=torch.float32, device=DEVICE)
+    got = ops.paged_decode_attention(*args, sm_scale=D**-0.5, page_size=P, out=out, num_splits=3)
+    assert_close(got, expected, TOL[torch.float32], "triton vs reference")
+
+
 def store_inputs(case_id, lens, H, D, P, dtype, T):
     """Key/value [B, H, T, D] (non-contiguous, NaN padding left and right of the real tokens) + pools/table."""
     gen = seeded(case_id)
@@ -198,6 +212,9 @@ def test_kernels_compile_for_h200():
         (kernel._paged_decode_kernel, decode_ptrs,
          dict(PAGE=128, HEAD_DIM=128, QG=4, QG_PAD=16, BLOCK_N=64, NUM_SPLITS=4, USE_DOT=True,
               DOT_DTYPE=tl.bfloat16, INPUT_PRECISION=None), dict(num_warps=4)),
+        (kernel._paged_decode_kernel, decode_ptrs,
+         dict(PAGE=128, HEAD_DIM=128, QG=4, QG_PAD=16, BLOCK_N=64, NUM_SPLITS=1, USE_DOT=True,
+              DOT_DTYPE=tl.bfloat16, INPUT_PRECISION=None, ROW_MAJOR=True), dict(num_warps=4)),
         (kernel._store_paged_prefill_kernel, dict(store_ptrs, starts_ptr="*i32", lengths_ptr="*i32"),
          dict(PAGE=128, HEAD_DIM=128, BLOCK_T=64), dict(num_warps=4)),
         (kernel._store_paged_decode_kernel, dict(store_ptrs, seq_lens_ptr="*i32"),

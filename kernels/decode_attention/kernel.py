@@ -35,9 +35,10 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, LAZY_L: tl.constexpr,
     KEY_VEC: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_ASM: tl.constexpr,
-    SWAP_AB: tl.constexpr = False, RING_N: tl.constexpr = 0,
+    SWAP_AB: tl.constexpr = False, RING_N: tl.constexpr = 0, ROW_MAJOR: tl.constexpr = False,
 ):
-    """grid (B, H, num_splits): KV head h of row b against its QG query heads, one split of the keys.
+    """grid (B, H, num_splits), or (H, B, num_splits) with ROW_MAJOR: KV head h of row b against its QG query
+    heads, one split of the keys.
 
     Key blocks of one row: the packed tokens [0, nq) in BLOCK_N steps through the block table, then the
     ring slots [0, min(L, R)) in BLOCK_N steps (slot j valid iff (j - nq) mod R < L - nq). A split owns a
@@ -52,8 +53,9 @@ def _decode_attention_kernel(
     tl.static_assert(not SWAP_AB or (K_BITS == 2 and V_BITS == 2 and HEAD_DIM == 128 and BLOCK_N == 128 and USE_DOT))
     RING_STEP: tl.constexpr = BLOCK_N if RING_N == 0 else RING_N
     tl.static_assert(BLOCK_N % RING_STEP == 0)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    # grid (H, B, num_splits) with ROW_MAJOR: programs start row by row (common.decode_grid); else (B, H, num_splits)
+    b = tl.program_id(1 if ROW_MAJOR else 0).to(tl.int64)
+    h = tl.program_id(0 if ROW_MAJOR else 1).to(tl.int64)
     split = tl.program_id(2)
     # stage 0: this row's token ranges and this split's blocks
     seq_len = tl.load(seq_lens_ptr + b)

@@ -40,8 +40,10 @@ def _decode_attention_fma_kernel(
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
     BLOCK_N: gl.constexpr = 128, ASYNC: gl.constexpr = False, MAGIC: gl.constexpr = False,
+    ROW_MAJOR: gl.constexpr = False,
 ):
-    """grid (B, H, num_splits): query head h of row b against KV head h (Hq == H), one split of the keys.
+    """grid (B, H, num_splits), or (H, B, num_splits) with ROW_MAJOR: query head h of row b against KV head h
+    (Hq == H), one split of the keys.
 
     Work of one row: the packed tokens [0, nq) in BLOCK_N-token steps through the block table, then the ring
     slots [0, min(L, R)) in 32-slot steps; a split owns a contiguous range of work units (stage 0). Output:
@@ -57,8 +59,9 @@ def _decode_attention_fma_kernel(
     # (lo) or 16 w + 8 + c (hi); lanes = 4 token groups x 8 words
     LV: gl.constexpr = gl.BlockedLayout([BLOCK_N // 64, 8, 1, 8], [4, 1, 8, 1], [1, 1, 1, 1], [3, 1, 0, 2])
     ACC2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, LV))  # [8 words, 8]: channels 16 w + c (+ 8)
-    b = gl.program_id(0).to(gl.int64)
-    h = gl.program_id(1).to(gl.int64)
+    # grid (H, B, num_splits) with ROW_MAJOR: programs start row by row (common.decode_grid); else (B, H, num_splits)
+    b = gl.program_id(1 if ROW_MAJOR else 0).to(gl.int64)
+    h = gl.program_id(0 if ROW_MAJOR else 1).to(gl.int64)
     split = gl.program_id(2)
     # stage 0: this row's token ranges and this split's blocks
     slot, nq, n_res, n_packed, n_ring, lo, hi = _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP,

@@ -97,9 +97,10 @@ def _decode_attention_mma_kernel(
     stride_o_b, stride_o_h, stride_o_s, stride_lse_b, stride_lse_h,
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2, BITS: gl.constexpr = 2,
-    PDL: gl.constexpr = False, STEP_BLOCKS: gl.constexpr = 1,
+    PDL: gl.constexpr = False, STEP_BLOCKS: gl.constexpr = 1, ROW_MAJOR: gl.constexpr = False,
 ):
-    """grid (B, H, num_splits): the QG query heads of KV head h of row b, one split of the keys. Work as in
+    """grid (B, H, num_splits), or (H, B, num_splits) with ROW_MAJOR: the QG query heads of KV head h of row b,
+    one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
     dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp. PDL (sm_90 and newer, split calls): let the
     merge, a programmatic dependent, launch at once (common.merge_splits). STEP_BLOCKS: packed 64-token blocks per
@@ -107,8 +108,9 @@ def _decode_attention_mma_kernel(
     gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
     gl.static_assert(BITS == 2 or BITS == 4)
     gl.static_assert(STEP_BLOCKS == 1 or STEP_BLOCKS == 2)
-    b = gl.program_id(0).to(gl.int64)
-    h = gl.program_id(1).to(gl.int64)
+    # grid (H, B, num_splits) with ROW_MAJOR: programs start row by row (common.decode_grid); else (B, H, num_splits)
+    b = gl.program_id(1 if ROW_MAJOR else 0).to(gl.int64)
+    h = gl.program_id(0 if ROW_MAJOR else 1).to(gl.int64)
     split = gl.program_id(2)
     if PDL:  # the merge may launch now and wait at its start (common.merge_splits)
         split = _launch_dependents(split)

@@ -67,7 +67,7 @@ def fma_by_default(rows: int, max_tokens: int, eligible: bool) -> bool:
 def launch_fma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                 out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens, block_n=FMA_BLOCK_N,
                 maxnreg=None, cp_async=None, magic=None) -> torch.Tensor:
-    """The Gluon FMA kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. cp_async None:
+    """The Gluon FMA kernel: grid common.decode_grid of one-warp programs, then the split merge. cp_async None:
     where the caches allow it (cp_async_aligned); maxnreg None: the chosen loop's cap; magic None: FMA_MAGIC."""
     batch, heads, _ = q.shape
     C.check_int(_OP, "block_n", block_n, (64, 128))

@@ -115,7 +115,7 @@ def mma_step_blocks(bits: int, num_splits: int, max_tokens: int, residual_length
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
                maxnreg=None, stages=None, value_copy=None, ring_units=None, step_blocks=None) -> torch.Tensor:
-    """The tensor-core kernel: grid (B, H, num_splits) of one-warp programs, then the split merge. stages:
+    """The tensor-core kernel: grid common.decode_grid of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
     and the split count, which assumes 8, is not adjusted; with step_blocks 2, stages pairs of stages).

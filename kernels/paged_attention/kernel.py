@@ -19,12 +19,15 @@ def _paged_decode_kernel(
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, QG: tl.constexpr, QG_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ROW_MAJOR: tl.constexpr = False,
 ):
-    """grid (B, H, NUM_SPLITS): KV head h of row b against its QG query heads over tokens [0, L) in pages."""
+    """grid (B, H, NUM_SPLITS), or (H, B, NUM_SPLITS) with ROW_MAJOR: KV head h of row b against its QG query
+    heads over tokens [0, L) in pages."""
     tl.static_assert(PAGE % BLOCK_N == 0)
     tl.static_assert(QG_PAD >= QG)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    # grid (H, B, num_splits) with ROW_MAJOR: programs start row by row (common.decode_grid); else (B, H, num_splits)
+    b = tl.program_id(1 if ROW_MAJOR else 0).to(tl.int64)
+    h = tl.program_id(0 if ROW_MAJOR else 1).to(tl.int64)
     split = tl.program_id(2)
     # stage 0: this split's blocks of the row
     seq_len = tl.load(seq_lens_ptr + b)

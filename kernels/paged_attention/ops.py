@@ -76,7 +76,8 @@ def paged_decode_attention(
     C.check_int(op, "num_splits", num_splits)
 
     o, lse, o_strides, workspace = C.output_args(out, num_splits)
-    _paged_decode_kernel[(batch, kv_heads, num_splits)](
+    grid, row_major = C.decode_grid(batch, kv_heads, num_splits)
+    _paged_decode_kernel[grid](
         q, k_pages, v_pages, block_table, slots, seq_lens, o, lse,
         qk_scale=float(sm_scale) * math.log2(math.e),
         stride_q_b=q.stride(0), stride_q_h=q.stride(1),
@@ -84,7 +85,7 @@ def paged_decode_attention(
         stride_bt_s=block_table.stride(0),
         **o_strides,
         PAGE=page_size, HEAD_DIM=head_dim, QG=qg, QG_PAD=qg_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        USE_DOT=use_dot, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, ROW_MAJOR=row_major,
         num_warps=4 if use_dot and precision is None else 8,
     )
     if workspace is not None:

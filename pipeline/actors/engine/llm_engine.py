@@ -168,7 +168,7 @@ class LLMEngine:
         step i's tokens on the device before the host reads them, so the host's bookkeeping overlaps the GPU's
         next step. A row that stops early (end of sequence, a stop string) then runs one step too many into
         its own reserved pages; that token is dropped."""
-        running = list(self.scheduler.running)
+        running = self.scheduler.decode_rows()  # longest first: the kernels' last wave gets the short rows
         if not running:
             return
         t0, steps = time.perf_counter(), 0

@@ -7,6 +7,12 @@ from collections import deque
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.request import Sequence
 
+# A decode step takes its rows longest first. The attention kernels start their programs row by row
+# (kernels/decode_attention/common.ROW_MAJOR), so the longest programs start first and the short ones fill the
+# last wave (longest-processing-time first); in arrival order the last wave mixes long and short rows, and the
+# step waits for the long ones. False: arrival order (benchmarks' A/B).
+LONGEST_FIRST = True
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, prefill_tokens: int) -> None:
@@ -46,6 +52,14 @@ class Scheduler:
         """A prefill went through: its sequences run, and a budget cut by an OOM regrows step by step."""
         self.running.extend(batch)
         self.prefill_tokens = min(self.max_prefill_tokens, self.prefill_tokens * 2)
+
+    def decode_rows(self) -> list[Sequence]:
+        """The running sequences in a decode step's row order: the longest cached length first (LONGEST_FIRST),
+        ties in the order they started. Rows grow one token a step together, so the order holds over a run of
+        steps."""
+        if not LONGEST_FIRST:
+            return list(self.running)
+        return sorted(self.running, key=lambda s: -s.cached_len)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
