@@ -250,7 +250,7 @@ def test_kernels_compile_for_h200():
     from kernels.decode_attention.kernel_mma import _decode_attention_mma_kernel
 
     specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, ASYNC=True, ROW_MAJOR=True),
-                  dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))  # grid (splits, H, B)
+                  dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))  # grid (H, B, splits)
     mma_consts = dict(gluon_consts, QG=4)
     mma_aligned = [a for a in _decode_attention_mma_kernel.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
     specs.append((_decode_attention_mma_kernel, gluon_ptrs, dict(mma_consts, PDL=True),  # a split call on sm_90

@@ -187,6 +187,20 @@ def test_mma_kernel_with_two_blocks_a_step_and_the_transposed_copy(case: Case):
     check_against_reference(case, TOL[case.dtype], mma=True, step_blocks=2, value_copy="transposed")
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
+@pytest.mark.parametrize("row_major", [True, False])
+@pytest.mark.parametrize("kernel", ["mma", "fma"])
+def test_gluon_kernels_in_both_program_orders_match_reference(monkeypatch, kernel: str, row_major: bool):
+    """Grid (H, B, splits) and (B, H, splits) (common.ROW_MAJOR) in both Gluon kernels: B != H (a swapped row
+    and head would read the wrong cache), rows of mixed lengths with one empty, a split call."""
+    from kernels.decode_attention import common
+
+    monkeypatch.setattr(common, "ROW_MAJOR", row_major)
+    heads = (8, 2) if kernel == "mma" else (4, 4)
+    case = Case((700, 0, 161, 1500, 64), *heads, 128, 2, 2, dtype=torch.bfloat16, num_splits=3)
+    check_against_reference(case, TOL[case.dtype], **{kernel: True})
+
+
 # Rows whose ring splits share out in 32-slot chunks: more splits than units (idle splits), ring-only splits,
 # n_ring not a multiple of 32, and (G=64, L=705: the ring holds 65 tokens at slots [0, 65)) a split whose only
 # chunk is fully masked

@@ -344,27 +344,34 @@ def test_decode_ahead_drops_the_extra_token_of_rows_that_stop(tiny, monkeypatch)
 
 
 def test_decode_steps_take_the_longest_rows_first(tiny, monkeypatch):
-    """Each run of decode steps hands the runner its rows longest first (scheduler.LONGEST_FIRST: the kernels'
-    last wave then gets the short rows), and the tokens are those of arrival order. (Prompts are admitted longest
-    first, so arrival order is often sorted already; test_engine_parts has rows that arrive out of order.)"""
+    """Rows that arrive out of length order (a later submission with a longer prompt than the running rows hold)
+    reach the runner longest first (scheduler.LONGEST_FIRST: the kernels' last wave then gets the short rows), in
+    arrival order with it off, and the tokens are the same either way."""
     from pipeline.actors.engine import scheduler
 
-    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
-    reqs = requests([5, 40, 17, 33, 61, 9], [12, 30, 8, 20, 6, 15], seed=4)
-    engine.generate(reqs[:1])  # builds the runner
-    decode, orders = engine.runner.decode, []
+    def run(longest_first: bool) -> tuple[list[list[int]], list[list[int]]]:
+        monkeypatch.setattr(scheduler, "LONGEST_FIRST", longest_first)
+        engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
+        early = engine.add(requests([5, 9, 7], [6, 30, 25], seed=4))  # builds the runner
+        decode, orders = engine.runner.decode, []
 
-    def recording(tokens, positions, slots):
-        orders.append(list(positions))
-        return decode(tokens, positions, slots)
+        def recording(tokens, positions, slots):
+            orders.append(list(positions))
+            return decode(tokens, positions, slots)
 
-    monkeypatch.setattr(engine.runner, "decode", recording)
-    longest_first = engine.generate(reqs)
-    assert len(orders) > 3 and all(o == sorted(o, reverse=True) for o in orders), orders
-    monkeypatch.setattr(scheduler, "LONGEST_FIRST", False)
-    orders.clear()
-    arrival = engine.generate(reqs)
-    assert [c.token_ids for c in longest_first] == [c.token_ids for c in arrival]
+        monkeypatch.setattr(engine.runner, "decode", recording)
+        engine.step()  # prefill of the three
+        engine.step()  # decode steps until the 6-token row ends
+        late = engine.add(requests([40, 33], [12, 10], seed=5))  # longer than the running rows
+        while early.pending or late.pending:
+            engine.step()
+        return orders, [c.token_ids for c in early.results + late.results]
+
+    sorted_orders, sorted_tokens = run(True)
+    arrival_orders, arrival_tokens = run(False)
+    assert all(o == sorted(o, reverse=True) for o in sorted_orders), sorted_orders
+    assert any(o != sorted(o, reverse=True) for o in arrival_orders), arrival_orders  # the rows did arrive unsorted
+    assert max(len(o) for o in sorted_orders) >= 3 and sorted_tokens == arrival_tokens
 
 
 def test_a_decode_run_cut_short_still_counts_its_steps(tiny, monkeypatch):

@@ -19,13 +19,14 @@ NUM_SMS_DEFAULT = 132  # H200
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 ONE_WARP_MAX_SPLITS = 128  # long rows at batch 1 want many splits of one-warp programs
-# Decode grids start their programs row by row: grid (H, B, num_splits), heads fastest, so the order of the rows is
-# the order programs start in. The engine puts its longest rows first (scheduler.decode_rows), so the short programs
-# fill the last wave (longest-processing-time first): on rows of mixed lengths 9-19% faster calls, and uniform rows
-# as before (row_order_probe.py, benchmarks/results/row-order-20261201-h200.json). False: grid (B, H, num_splits),
-# which starts every row's head 0 first, then head 1, so the last wave mixes long and short programs whatever the
-# rows' order. (A grid (num_splits, H, B), one program wide in x for unsplit calls, started the same programs in
-# the same order but was 2-20% slower on uniform rows.)
+# Decode grids start their programs row by row: grid (H, B, num_splits), heads fastest, so (within each split: splits
+# are the slowest dimension) the order of the rows is the order programs start in. The engine puts its longest rows
+# first (scheduler.decode_rows), so the short programs fill the last wave (longest-processing-time first): on rows of
+# mixed lengths 2-bit calls were 17-25% faster and uniform rows as before (row_order_probe.py,
+# benchmarks/results/row-order-20261201-h200.json). False: grid (B, H, num_splits), which starts every row's head 0
+# first, then head 1, so the last wave mixes long and short programs whatever the rows' order. (A grid (num_splits,
+# H, B), one program wide in x for unsplit calls, started the same programs in the same order but was 2-20% slower
+# on uniform rows.)
 ROW_MAJOR = True
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
 
@@ -214,9 +215,10 @@ def decode_grid(batch: int, heads: int, num_splits: int) -> tuple[tuple[int, int
 
 def launch_kivi(kernel, q: torch.Tensor, caches: tuple, out: torch.Tensor, sm_scale: float, num_splits: int,
                 **meta) -> torch.Tensor:
-    """One launch of a KIVI decode-attention kernel on grid (B, KV heads, num_splits) with the arguments all of
-    them take, then the split merge. caches: (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res,
-    block_table, slots, seq_lens); meta: the kernel's own constexprs and launch options."""
+    """One launch of a KIVI decode-attention kernel on decode_grid's grid ((KV heads, B, num_splits) by
+    default) with the arguments all of them take, then the split merge. caches: (k_codes, k_scale, k_zero,
+    v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens); meta: the kernel's own constexprs and
+    launch options."""
     k_codes, k_scale, _, v_codes, v_scale, _, k_res, _, block_table, _, _ = caches
     o, lse, o_strides, workspace = output_args(out, num_splits)
     grid, row_major = decode_grid(q.shape[0], k_codes.shape[1], num_splits)

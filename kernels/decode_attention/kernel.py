@@ -1,12 +1,12 @@
 """Triton kernel for decode attention over the KIVI cache (design.md, op 3). Only @triton.jit code.
 
-Grid (B, H, num_splits); each program streams its split of the row's BLOCK_N-token blocks (packed pages
-through the block table, software-pipelined NUM_STAGES deep, then the residual ring), unpacks code words in
-registers (unpack.py), and feeds tensor cores (tl.dot, query group padded to 16 rows) with fp16/bf16 tiles;
-nothing dequantized is written to global memory. In the default loop the tiles pass through shared memory
-on their way to the tensor cores (Triton's dot-operand conversion); kernel_swap.py holds the loop that
-keeps them in registers. What bounds both on the H200 is in benchmarks/results/kernel_notes.md. The
-online-softmax pieces shared with the bf16 baseline are in attend.py.
+Grid common.decode_grid ((H, B, num_splits), or (B, H, num_splits)); each program streams its split of the
+row's BLOCK_N-token blocks (packed pages through the block table, software-pipelined NUM_STAGES deep, then the
+residual ring), unpacks code words in registers (unpack.py), and feeds tensor cores (tl.dot, query group padded
+to 16 rows) with fp16/bf16 tiles; nothing dequantized is written to global memory. In the default loop the tiles
+pass through shared memory on their way to the tensor cores (Triton's dot-operand conversion); kernel_swap.py
+holds the loop that keeps them in registers. What bounds both on the H200 is in
+benchmarks/results/kernel_notes.md. The online-softmax pieces shared with the bf16 baseline are in attend.py.
 """
 
 import triton
