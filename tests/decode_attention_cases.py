@@ -1,4 +1,4 @@
-"""Shared pieces of the decode_attention tests (test_decode_attention.py, test_decode_attention_gluon.py): cases,
+"""Shared pieces of the decode_attention tests (test_decode_attention.py, _gluon.py, _launch.py): cases,
 cache builders, the launcher call, comparisons.
 
 Caches are built with kernels/packing.py directly: each row's keys/values are quantized page by page into

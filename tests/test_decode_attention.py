@@ -1,7 +1,7 @@
 """decode_attention (docs/design.md op 3): reference vs an independent naive computation, the Triton table
 kernel (the interpreter on the CPU) vs reference, argument checks, split counts, and an H200 compile check
 that needs no GPU. Cases and cache builders: decode_attention_cases.py; the Gluon kernels' tests (GPU only,
-plus their launchers' host side): test_decode_attention_gluon.py.
+and their launchers' host side): test_decode_attention_gluon.py and test_decode_attention_launch.py.
 """
 
 # TRITON_INTERPRET is set on machines without a GPU by conftest.py, before any kernel module loads
