@@ -54,6 +54,7 @@ def ordered(lengths: list[int], order: str, seed: int) -> list[int]:
 def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int):
     """(calls(order) -> list of one-set calls, check(order) -> rel L2 on two rows, bytes) for KIVI caches."""
     from gpu_timing import sets_for
+    from kernel_cases import rel_l2
     from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
 
     from kernels.decode_attention import decode_attention
@@ -91,6 +92,7 @@ def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int):
 def bf16_case(lengths: list[int], Hq: int, H: int, l2: int):
     """The same for the full-precision paged cache (the engine-bf16 kernel)."""
     from gpu_timing import sets_for
+    from kernel_cases import rel_l2
     from kivi_data import P, bf16_bytes, make_paged_sets
 
     from kernels.paged_attention import ops as paged
@@ -124,13 +126,9 @@ def bf16_case(lengths: list[int], Hq: int, H: int, l2: int):
     return calls, check, nbytes
 
 
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
-
-
 def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
     from gpu_timing import time_graph
+    from kernel_cases import CHECK_TOL
 
     from kernels.decode_attention import common as C
 
@@ -148,7 +146,7 @@ def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
             rec = dict(system=system, shape=name, batch=B, q_heads=Hq, kv_heads=H,
                        lengths=[min(lengths), round(sum(lengths) / B, 1), max(lengths)], order=order,
                        row_major=row_major, bytes=nbytes, check_rel_l2=check(order))
-            if not rec["check_rel_l2"] < 2e-2:
+            if not rec["check_rel_l2"] < CHECK_TOL:
                 rec["error"] = "check failed"
             else:
                 ms = time_graph(calls(order))["ms"]
