@@ -65,7 +65,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small subset")
     p.add_argument("--tune", action="store_true", help="try a few launch configurations per decode shape")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny config on the CPU under TRITON_INTERPRET=1")
-    p.add_argument("--only", choices=("all", "stores", "attention"), default="all", help="which kernels to run")
+    p.add_argument("--only", choices=("all", "stores", "quantize", "attention"), default="all",
+                   help="which kernels to run (quantize: quantize-and-pack at prefill alone)")
     p.add_argument("--store-baseline", action="store_true",
                    help="also time the store kernels before the channel-chunk rewrite: .scratch/store_ops_v0.py and "
                    "store_kernel_v0.py, made by `git show c20ce12:kernels/kv_store/kernel.py`, and that commit's "
@@ -127,7 +128,7 @@ def main() -> None:
     if DEV.type == "cpu" and not ARGS.cpu_smoke:
         sys.exit("no CUDA device: run with --cpu-smoke for the CPU check")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    shapes = attention_shapes(ARGS.quick, ARGS.cpu_smoke) if ARGS.only != "stores" else []
+    shapes = attention_shapes(ARGS.quick, ARGS.cpu_smoke) if ARGS.only not in ("stores", "quantize") else []
     compile_errors = precompile_all(shapes, ARGS.tune) if DEV.type == "cuda" and shapes else {}
     copy = copy_bandwidth(DEV, nbytes=2 * 2**30 if DEV.type == "cuda" else 64 * 2**20)
     copy_gbps = copy["gbs"]
@@ -156,6 +157,8 @@ def main() -> None:
                           flush=[(b, h, 128) for h in (8, 32) for b in (64, 256)],
                           append=[(141, 32, 128), (238, 32, 128), (64, 8, 128), (256, 8, 128)])
     store_runs = [("new", t) for t in store_tunings(ARGS.tune)] + ([("v0", {})] if ARGS.store_baseline else [])
+    if ARGS.only == "quantize":
+        store_cfgs.update(flush=[], append=[])
     for bits in (2, 4) if ARGS.only != "attention" else ():
         for impl, tuning in store_runs:
             for B, T, H, D in store_cfgs["prefill"]:

@@ -198,6 +198,12 @@ def plan(name: str):
             vs = [("new", 2, dict(mma=True, num_splits=s, step_blocks=sb)) for s, sb in knobs]
             out.append((shape, [("new", 2, dict(mma=True))] + vs + [("new", 2, dict(mma=True))]))
         return out
+    if name == "fill-wave":  # one-wave split calls: the launcher's count (since this plan's first run, as many splits
+        # as the wave holds) against the fewest fitting count it replaced (a program's share is ceil(units / splits):
+        # 2,054 units in 126 splits is 17, in 132 is 16); the first run also had 130 and 132 explicitly
+        tries = {(1, 131072, 32, 8): 126, (1, 32768, 32, 8): 126}
+        return [(shape, [("new", bits, dict(mma=True)), ("new", bits, dict(mma=True, num_splits=old)),
+                         ("new", bits, dict(mma=True))]) for shape, old in tries.items() for bits in (2, 4)]
     if name == "mma4-lanes":  # the 4-bit default alone, to run from two trees in one call (the 4-bit value
         # copy's lane order, kernel_notes.md, version 24's last note)
         return [(shape, [("new", 4, dict(mma=True))]) for shape in MMA_ENGINE_SHAPES]

@@ -148,14 +148,16 @@ def test_choose_num_splits():
 
 def test_wave_splits_fill_whole_waves():
     """wave_splits: the fewest splits whose waves of `slots` programs are within 5% of the ideal programs / slots,
-    else the cap (on random calls), and the examples of its docstring (512 programs, 1,056 slots: 2 splits, one
-    wave, instead of 5; 32 programs: 32 splits, not 66)."""
+    else the cap, raised to fill the wave where it is one wave (on random calls), and the examples of its
+    docstring (512 programs, 1,056 slots: 2 splits, one wave, instead of 5; 32 programs: 33 splits, not 66; 8
+    programs: 132)."""
     import math
     import random
 
     from kernels.decode_attention.common import MIN_TOKENS_PER_SPLIT, wave_splits
 
-    assert wave_splits(512, 4352, 1056, 128) == 2 and wave_splits(32, 131_200, 1056, 128) == 32
+    assert wave_splits(512, 4352, 1056, 128) == 2 and wave_splits(32, 131_200, 1056, 128) == 33
+    assert wave_splits(8, 131_200, 1056, 256) == 132 and wave_splits(8, 131_200, 1056, 128) == 128
     rng = random.Random()
     seed = rng.randrange(2**31)
     rng.seed(seed)
@@ -165,9 +167,12 @@ def test_wave_splits_fill_whole_waves():
         splits = wave_splits(programs, max_tokens, slots, max_splits)
         cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
         fits = lambda s, p=programs, n=slots: math.ceil(p * s / n) / s <= 1.05 * p / n
+        fewest = next((s for s in range(1, cap + 1) if fits(s)), cap)
         assert 1 <= splits <= cap, seed
-        assert splits == cap or fits(splits), seed
-        assert not any(fits(s) for s in range(1, splits)), seed
+        if programs * fewest <= slots:  # one wave: as many splits as it holds
+            assert splits == max(fewest, min(cap, slots // programs)), seed
+        else:
+            assert splits == fewest, seed
 
 
 @pytest.mark.parametrize("num_splits,head_dim", [(2, 128), (5, 64), (40, 128), (126, 128)])

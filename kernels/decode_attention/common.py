@@ -19,6 +19,8 @@ NUM_SMS_DEFAULT = 132  # H200
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 ONE_WARP_MAX_SPLITS = 128  # long rows at batch 1 want many splits of one-warp programs
+# the cap of wave_splits' one-wave count: 8 KV heads at batch 1 fill the H200's 1,056 slots with 132 splits
+WAVE_MAX_SPLITS = 256
 # Decode grids start their programs row by row: grid (H, B, num_splits), heads fastest, so (within each split: splits
 # are the slowest dimension) the order of the rows is the order programs start in. The engine puts its longest rows
 # first (scheduler.decode_rows), so the short programs fill the last wave (longest-processing-time first): on rows of
@@ -111,10 +113,17 @@ def wave_splits(programs: int, max_tokens: int, slots: int, max_splits: int, sla
     MIN_TOKENS_PER_SPLIT tokens). Meant for calls of less than a wave of programs: from a wave up it lost to
     choose_num_splits (kernels-20261130-h200-sweep-waves.json: 141 rows of 1,152 tokens, 32 heads, took 236 us
     unsplit, 244 in its 3 splits; 92 rows of 1,280, 163 against 182 in 5) or the two were within noise
-    (-sweep-waves2.json: 2,048 programs unsplit 5% faster at L=4,096, 8 KV heads, 5.6% slower at L=32,768)."""
+    (-sweep-waves2.json: 2,048 programs unsplit 5% faster at L=4,096, 8 KV heads, 5.6% slower at L=32,768).
+
+    Where that count runs in one wave, it rises to as many splits as the wave holds (up to the cap): a program's
+    share of a row is ceil(units / splits), so 8 programs of 131,072 tokens (2,054 units) read 17 units each in
+    126 splits and 16 in 132, 42.5 us against 43.7-44.0 (kernels-20261201-h200-sweep-fill-wave.json)."""
     cap = max(1, min(max_tokens // MIN_TOKENS_PER_SPLIT, max_splits))
     fits = lambda splits: math.ceil(programs * splits / slots) / splits <= (1 + slack) * programs / slots
-    return next((splits for splits in range(1, cap + 1) if fits(splits)), cap)
+    splits = next((splits for splits in range(1, cap + 1) if fits(splits)), cap)
+    if programs * splits <= slots:  # one wave: fill it
+        splits = max(splits, min(cap, slots // programs))
+    return splits
 
 
 def dot_config(q_dtype: torch.dtype, cache_dtype: torch.dtype):
@@ -197,7 +206,7 @@ def one_warp_launch(op: str, maxnreg: int, num_splits: int | None, rows: int, ma
     if num_splits is None:
         wave = resident * num_sms(device) if resident is not None else 0
         if rows < wave:  # under a wave: whole waves
-            num_splits = wave_splits(rows, max_tokens, wave, ONE_WARP_MAX_SPLITS)
+            num_splits = wave_splits(rows, max_tokens, wave, WAVE_MAX_SPLITS)
         else:
             num_splits = choose_num_splits(rows, max_tokens, device, programs_per_sm=per_sm,
                                            max_splits=ONE_WARP_MAX_SPLITS)
