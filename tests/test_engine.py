@@ -176,6 +176,22 @@ def test_malformed_prompts_are_error_rows_and_a_failed_call_leaves_the_engine_cl
     assert [c.token_ids for c in engine.generate(good)] == expected
 
 
+def test_prompt_ids_as_arrays_run_as_their_lists(tiny):
+    """A 1-D NumPy array or torch tensor of integer ids runs as its list; float arrays and 2-D ones are error rows."""
+    import numpy as np
+
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
+    ids = requests([int(torch.randint(5, 20, ()))], [4], seed=int(torch.randint(0, 1000, ())))[0].prompt_token_ids
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    arrays = [Request("list", ids, greedy), Request("numpy", np.array(ids, dtype=np.int32), greedy),
+              Request("torch", torch.tensor(ids), greedy), Request("float", np.array(ids, dtype=np.float32), greedy),
+              Request("2d", np.array([ids]), greedy)]
+    out = engine.generate(arrays)
+    assert [c.finish_reason for c in out] == ["length"] * 3 + ["error"] * 2
+    assert out[1].token_ids == out[2].token_ids == out[0].token_ids and len(out[0].token_ids) == 4
+    assert "ndarray" in out[4].error and out[3].error.startswith("prompt_token_ids must be")
+
+
 def test_stop_strings_and_eos(tiny):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
     base = engine.generate([Request("x", list(range(5, 25)), SamplingParams(max_new_tokens=30))])[0]

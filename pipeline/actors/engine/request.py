@@ -76,8 +76,13 @@ def _stops(value: Any) -> tuple:
 @dataclass
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # or a 1-D NumPy array or torch tensor of integer ids, taken as its list
     sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        ids = self.prompt_token_ids
+        if not isinstance(ids, (list, tuple, str)) and getattr(ids, "ndim", None) == 1 and hasattr(ids, "tolist"):
+            self.prompt_token_ids = ids.tolist()  # Python ints (floats or bools stay what they are: error rows)
 
     def problem(self, max_model_len: int, vocab_size: int | None = None) -> str | None:
         """Why the engine cannot run this request, or None: an empty or too long prompt, or one that is not a list
