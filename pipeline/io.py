@@ -38,8 +38,9 @@ class Shard:
     num_rows: int
     path: str | None = None  # the parquet file (a filesystem path), None for Hugging Face row blocks
     start: int = 0  # first row of a Hugging Face block
-    # cheap facts of the rows, wherever they lie: the file's rows and bytes, or the block's place in the dataset and
-    # the dataset's fingerprint (pipeline.resume.check_resume; with content_digest for a file that moved)
+    # cheap facts of the rows, wherever they lie: the file's rows, bytes and version (ETag or modification time), or
+    # the block's place in the dataset and the dataset's fingerprint (pipeline.resume.check_resume; with
+    # content_digest for a file that moved or whose version changed)
     data: dict[str, Any] | None = None
 
     def default_id(self, row: int) -> str:
@@ -166,7 +167,7 @@ def _plan_parquet(fs: Any, path: str, url: str, glob: bool) -> InputPlan:
     with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
         metas = list(pool.map(lambda f: _footer(fs, f), files))
     schema = metas[0][0]
-    for f, (s, _, _) in zip(files, metas, strict=True):
+    for f, (s, _, _, _) in zip(files, metas, strict=True):
         if set(s.names) != set(schema.names):
             raise ValueError(f"input file {f!r} has columns {s.names}, but {files[0]!r} has {schema.names}")
         schema = _merge_types(schema, s, files[0], f)
@@ -176,8 +177,8 @@ def _plan_parquet(fs: Any, path: str, url: str, glob: bool) -> InputPlan:
         if name in seen:  # a/b.parquet and a__b.parquet: both outputs would be <out>/a__b.parquet
             raise ValueError(f"input files {seen[name]!r} and {f!r} both map to shard {name!r}; rename one")
         seen[name] = f
-    shards = [Shard(n, rows, path=f, data={"rows": rows, "bytes": size})
-              for n, f, (_, rows, size) in zip(names, files, metas, strict=True)]
+    shards = [Shard(n, rows, path=f, data={"rows": rows, "bytes": size, **({"version": version} if version else {})})
+              for n, f, (_, rows, size, version) in zip(names, files, metas, strict=True)]
     return InputPlan("parquet", shards, schema, source="", filesystem=fs, root=None if one_file else root,
                      pattern=path if glob else None)
 
@@ -224,14 +225,18 @@ def _list_parquet(fs: Any, path: str, url: str, glob: bool) -> tuple[list[str], 
     return files, root, one_file
 
 
-def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int]:
-    """(schema, rows, bytes) of a parquet file."""
+def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int, str | None]:
+    """(schema, rows, bytes, version) of a parquet file; version: what changes whenever the file is rewritten (S3's
+    ETag, else the modification time; None where the filesystem tells neither)."""
     try:
+        info = fs.info(file)
         with fs.open(file, "rb") as f:
             pf = pq.ParquetFile(f)
-            return pf.schema_arrow, pf.metadata.num_rows, fs.size(file)
+            schema, rows = pf.schema_arrow, pf.metadata.num_rows
     except Exception as e:  # noqa: BLE001 - any reader failure: name the file
         raise ValueError(f"cannot read parquet file {file!r}: {e}") from None
+    key = next((k for k in ("ETag", "etag", "mtime", "LastModified", "updated") if info.get(k) is not None), None)
+    return schema, rows, info.get("size") or fs.size(file), key and f"{key} {info[key]}"
 
 
 def _shard_name(file: str, root: str) -> str:

@@ -117,6 +117,15 @@ def _same_data(was: dict[str, Any], now: dict[str, Any], digest: Callable[[str],
     return was.get("sha256") is not None and digest(name) == was["sha256"]
 
 
+def _rewritten(was: dict[str, Any], now: dict[str, Any], digest: Callable[[str], str | None], name: str) -> bool:
+    """Whether a file at its recorded path, with its recorded rows and bytes, now holds other data: its version
+    (ETag or modification time) changed and its SHA-256 with it. A shard recorded without a version (an earlier
+    version's) is not checked."""
+    if was.get("version") is None or now.get("version") in (None, was["version"]):
+        return False
+    return not _same_data(was, now, digest, name)
+
+
 _DEFAULTS_SHOWN = {"input": "<sample prompts>", "model": "<SmolLM2-135M-Instruct>"}  # what None records
 
 
@@ -140,9 +149,10 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
     """ValueError when a complete shard of `output` that this run keeps was made with other settings.
     `input_data`: {name: Shard.data} of this input's shards (--overwrite redoes those; it keeps any other shard), so
     a mismatched shard of another input is reported first: --overwrite would not fix that one. A shard of this input
-    whose rows and bytes (or dataset block) differ from those recorded is refused. One whose input path changed (a
-    relative path under another working directory, a folder named as a glob) resumes only where the data are the
-    same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then)."""
+    whose rows and bytes (or dataset block) differ from those recorded is refused, and so is a file rewritten in
+    place with as many rows and bytes: its version (ETag or modification time) changed and its SHA-256 too. One whose
+    input path changed (a relative path under another working directory, a folder named as a glob) resumes only where
+    the data are the same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then)."""
     mismatched = []
     for name, previous in sorted(recorded.items()):
         if previous is None or previous is FOREIGN:
@@ -154,11 +164,15 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
             facts = re.fullmatch(r"(\d+) rows, (\d+) bytes", was)
             was = {"rows": int(facts[1]), "bytes": int(facts[2])} if facts else None
         if name in input_data and isinstance(was, dict) and now is not None:
-            cheap = {k: was.get(k) for k in now}
-            if cheap != now:
-                current["input_data"], previous["input_data"] = now, cheap
+            now_facts = {k: v for k, v in now.items() if k != "version"}  # a copy or a touch changes the version
+            cheap = {k: was.get(k) for k in now_facts}
+            if cheap != now_facts:
+                current["input_data"], previous["input_data"] = now_facts, cheap
             elif previous.get("input") != settings.get("input") and _same_data(was, now, digest, name):
                 current["input"] = previous.get("input")  # the same rows, wherever the input lies now
+            elif previous.get("input") == settings.get("input") and _rewritten(was, now, digest, name):
+                current["input_data"] = {"version": now["version"], "sha256": "a new one"}
+                previous["input_data"] = {"version": was["version"], "sha256": was.get("sha256")}
         changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in current.items()
                    if previous.get(k, v) != v]
         if changed:

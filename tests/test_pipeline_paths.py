@@ -5,6 +5,7 @@ a folder named as a glob) and not over changed data. No Ray, no weights."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -103,6 +104,36 @@ def test_a_shard_resumes_wherever_its_input_lies_now_but_not_over_other_data(tmp
     shutil.copy(tmp_path / "run2/in/a.parquet", tmp_path / "run1/in/a.parquet")  # the recorded path, new data
     with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input_data \{'rows'"):
         run(job(tmp_path, tiny_model, tmp_path / "run1/in", tmp_path / "out"))
+
+
+def test_a_file_rewritten_in_place_with_the_same_size_is_refused_but_a_touched_one_resumes(tmp_path, tiny_model):
+    """At its recorded path, with its recorded rows and bytes: a file whose contents changed (its modification time
+    with them) is refused; one only touched, or copied over by the same bytes, resumes; a shard recorded without a
+    version (an earlier kivi-ray's) is not checked."""
+    import os
+
+    n = random.randint(2, 6)
+    path = tmp_path / "in/a.parquet"
+    write(str(path), prompt=[f"p{i}" for i in range(n)])
+    cfg = job(tmp_path, tiny_model, tmp_path / "in", tmp_path / "out")
+    finished(cfg)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: same bytes, a new time
+    summary = run(cfg)
+    assert (summary["shards_done"], summary["shards_skipped"]) == (0, 1)
+    write(str(path), prompt=[f"P{i}" for i in range(n)])  # edited in place: same rows and size
+    assert path.stat().st_size == stat.st_size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    with pytest.raises(ValueError, match=r"shard 'a' made with other settings \(input_data \{'version': 'mtime "):
+        run(cfg)
+    table = pq.read_table(tmp_path / "out/a.parquet")  # as an earlier version recorded it: no version
+    meta = dict(table.schema.metadata)
+    key = next(k for k, v in meta.items() if b'"input_data"' in v)
+    settings = json.loads(meta[key])
+    del settings["input_data"]["version"]
+    older = table.replace_schema_metadata({**meta, key: json.dumps(settings).encode()})
+    pq.write_table(older, tmp_path / "out/a.parquet")
+    assert run(cfg)["shards_skipped"] == 1
 
 
 def test_a_path_with_glob_characters_that_exists_is_read_as_it_is(tmp_path, tiny_model):
