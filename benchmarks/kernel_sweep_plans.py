@@ -204,6 +204,11 @@ def plan(name: str):
         tries = {(1, 131072, 32, 8): 126, (1, 32768, 32, 8): 126}
         return [(shape, [("new", bits, dict(mma=True)), ("new", bits, dict(mma=True, num_splits=old)),
                          ("new", bits, dict(mma=True))]) for shape, old in tries.items() for bits in (2, 4)]
+    if name == "ring-regs":  # ring-heavy rows (all ring at L=128, a's 330, b's 1,152): ncu put the ring-only call at
+        # 7.7 warps an SM (212 registers) with 0.17 eligible a scheduler, the paged bf16 kernel at 19.4; register caps
+        # that fit more one-warp programs an SM, the default (255) first and last
+        vs = [("new", 2, dict(mma=True))] + [("new", 2, dict(mma=True, maxnreg=r)) for r in (168, 128)]
+        return [((B, L, 32, 32), vs + vs[:1]) for B, L in ((256, 128), (256, 330), (150, 1152))]
     if name == "mma4-lanes":  # the 4-bit default alone, to run from two trees in one call (the 4-bit value
         # copy's lane order, kernel_notes.md, version 24's last note)
         return [(shape, [("new", 4, dict(mma=True))]) for shape in MMA_ENGINE_SHAPES]
