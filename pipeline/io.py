@@ -90,6 +90,7 @@ def plan_input(cfg: JobConfig) -> InputPlan:
     """Find and check the input; ValueError naming the problem, before Ray or any actor starts."""
     url = cfg.input or str(SAMPLE_PROMPTS)
     fs, path = filesystem(url, cfg.s3_endpoint_url)
+    fs.invalidate_cache()  # fsspec shares a filesystem per process: a later job in it must not see old listings
     try:
         glob = _has_glob(path, fs)
         is_hf = not glob and fs.isdir(path) and any(fs.exists(f"{path}/{m}") for m in HF_MARKERS)
@@ -235,7 +236,8 @@ def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int, str | None]:
             schema, rows = pf.schema_arrow, pf.metadata.num_rows
     except Exception as e:  # noqa: BLE001 - any reader failure: name the file
         raise ValueError(f"cannot read parquet file {file!r}: {e}") from None
-    key = next((k for k in ("ETag", "etag", "mtime", "LastModified", "updated") if info.get(k) is not None), None)
+    # the first fact the filesystem fills in (s3fs gives an ETag of "" where the store has none)
+    key = next((k for k in ("ETag", "etag", "mtime", "LastModified", "updated") if info.get(k)), None)
     return schema, rows, info.get("size") or fs.size(file), key and f"{key} {info[key]}"
 
 

@@ -171,8 +171,8 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
             elif previous.get("input") != settings.get("input") and _same_data(was, now, digest, name):
                 current["input"] = previous.get("input")  # the same rows, wherever the input lies now
             elif previous.get("input") == settings.get("input") and _rewritten(was, now, digest, name):
-                current["input_data"] = {"version": now["version"], "sha256": "a new one"}
-                previous["input_data"] = {"version": was["version"], "sha256": was.get("sha256")}
+                previous["input_data"] = "the file as it was"
+                current["input_data"] = "the file rewritten in place since (same rows and bytes, another SHA-256)"
         changed = [f"{k} {_shown(k, previous.get(k))} -> {_shown(k, v)}" for k, v in current.items()
                    if previous.get(k, v) != v]
         if changed:

@@ -19,8 +19,9 @@ NUM_SMS_DEFAULT = 132  # H200
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 ONE_WARP_MAX_SPLITS = 128  # long rows at batch 1 want many splits of one-warp programs
-# the cap of wave_splits' one-wave count: 8 KV heads at batch 1 fill the H200's 1,056 slots with 132 splits
-WAVE_MAX_SPLITS = 256
+# the cap of wave_splits' one-wave count: 8 KV heads at batch 1 fill the H200's 1,056 slots with 132 splits (the
+# most measured); with fewer KV heads the count stays near that instead of rising to 1,056 / heads
+WAVE_MAX_SPLITS = 160
 # Decode grids start their programs row by row: grid (H, B, num_splits), heads fastest, so (within each split: splits
 # are the slowest dimension) the order of the rows is the order programs start in. The engine puts its longest rows
 # first (scheduler.decode_rows), so the short programs fill the last wave (longest-processing-time first): on rows of

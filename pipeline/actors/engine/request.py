@@ -82,7 +82,13 @@ class Request:
     def __post_init__(self) -> None:
         ids = self.prompt_token_ids
         if not isinstance(ids, (list, tuple, str)) and getattr(ids, "ndim", None) == 1 and hasattr(ids, "tolist"):
-            self.prompt_token_ids = ids.tolist()  # Python ints (floats or bools stay what they are: error rows)
+            try:
+                converted = ids.tolist()  # Python ints (floats or bools stay what they are: error rows)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):
+                return  # a tensor without data (the meta device): an error row, as any other type
+            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in converted):
+                return  # its error row names the array's type, not the list's
+            self.prompt_token_ids = converted
 
     def problem(self, max_model_len: int, vocab_size: int | None = None) -> str | None:
         """Why the engine cannot run this request, or None: an empty or too long prompt, or one that is not a list
