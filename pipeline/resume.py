@@ -4,6 +4,7 @@ Parquet metadata), and a rerun must match them, so that one output never holds r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -16,6 +17,8 @@ import pyarrow.parquet as pq
 from pipeline.actors.actor import model_location
 from pipeline.config import JobConfig
 from pipeline.io import OUTPUT_COLUMNS, SAMPLE_PROMPTS, InputPlan
+
+log = logging.getLogger(__name__)
 
 SETTINGS_KEY = b"kivi_ray.settings"
 # the job's fields that decide output rows (the rest, like actors or batch sizes, only decide speed)
@@ -129,6 +132,27 @@ def _rewritten(was: dict[str, Any], now: dict[str, Any], digest: Callable[[str],
 _DEFAULTS_SHOWN = {"input": "<sample prompts>", "model": "<SmolLM2-135M-Instruct>"}  # what None records
 
 
+def _digest_wanted(previous: Any, now: dict[str, Any] | None, settings: dict[str, Any]) -> bool:
+    """Whether check_resume may read this shard's input file whole: a file's recorded data (with a SHA-256) match its
+    rows and bytes now, and its input path or its version changed."""
+    was = previous.get("input_data") if isinstance(previous, dict) else None
+    if not isinstance(was, dict) or now is None or now.get("dataset") is not None or was.get("sha256") is None:
+        return False
+    if any(was.get(k) != v for k, v in now.items() if k != "version"):
+        return False
+    return previous.get("input") != settings.get("input") or was.get("version") not in (None, now.get("version"))
+
+
+def _prefetched(digest: Callable[[str], str | None], names: list[str]) -> Callable[[str], str | None]:
+    """digest, with these names' files hashed first, several at a time (a copied or re-uploaded input: every file)."""
+    if not names:
+        return digest
+    log.info("hashing %d input files whose path or version changed since their shards were written", len(names))
+    with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+        found = dict(zip(names, pool.map(digest, names), strict=True))
+    return lambda name: found[name] if name in found else digest(name)
+
+
 def _shown(key: str, value: Any) -> str:
     return _DEFAULTS_SHOWN[key] if value is None and key in _DEFAULTS_SHOWN else repr(value)
 
@@ -154,6 +178,8 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
     input path changed (a relative path under another working directory, a folder named as a glob) resumes only where
     the data are the same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then)."""
     mismatched = []
+    digest = _prefetched(digest, [name for name, previous in sorted(recorded.items()) if name in input_data
+                                  and _digest_wanted(previous, input_data[name], settings)])
     for name, previous in sorted(recorded.items()):
         if previous is None or previous is FOREIGN:
             continue

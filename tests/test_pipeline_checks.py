@@ -173,6 +173,39 @@ def test_another_inputs_shard_is_reported_before_this_inputs():
         check_resume(dict(now, model="m"), {"a": dict(now, input=None, model=None)}, "out", {"a": None})
 
 
+def test_resume_hashes_only_files_whose_path_or_version_changed_each_once():
+    """check_resume reads a file whole (digest) only where its rows and bytes match and its input path or version
+    changed, each such file once (hashed up front, several at a time), and decides on what the hashes say."""
+    import threading
+
+    from pipeline.resume import check_resume
+
+    rows, size = random.randint(1, 9), random.randint(100, 999)
+    data = lambda version, sha="s": {"rows": rows, "bytes": size, "version": version, "sha256": sha}
+    now = {"input": "in2", "max_new_tokens": 4}
+    recorded = {"moved": dict(now, input="in1", input_data=data("v1")), "touched": dict(now, input_data=data("v1")),
+                "same": dict(now, input_data=data("v1")), "grown": dict(now, input="in1", input_data=data("v1")),
+                "old": dict(now, input_data={"rows": rows, "bytes": size, "sha256": "s"})}
+    current = {"moved": data("v1"), "touched": data("v2"), "same": data("v1"), "grown": dict(data("v1"), rows=rows + 1),
+               "old": data("v9")}
+    calls, lock = [], threading.Lock()
+
+    def digest(name, sha="s"):
+        with lock:
+            calls.append((name, threading.current_thread() is threading.main_thread()))
+        return sha
+
+    current = {k: {key: v for key, v in d.items() if key != "sha256"} for k, d in current.items()}
+    with pytest.raises(ValueError, match=r"shard 'grown' .*input_data \{'rows': "):
+        check_resume(now, recorded, "out", current, digest=digest)
+    assert sorted(calls) == [("moved", False), ("touched", False)]  # in worker threads
+    calls.clear()
+    with pytest.raises(ValueError, match=r"shard 'touched' .*the file rewritten in place"):
+        check_resume(now, {k: recorded[k] for k in ("moved", "touched")}, "out", current,
+                     digest=lambda name: digest(name, "new" if name == "touched" else "s"))
+    assert sorted(name for name, _ in calls) == ["moved", "touched"]
+
+
 def test_shards_from_before_kv_scale_dtype_count_as_model_scales():
     """Shards written before kv_scale_dtype was recorded were made with scales in the model's dtype: a run with
     fp16 scales (the default now) must not mix its rows with theirs; "model" matches them, as does any run
