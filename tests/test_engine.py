@@ -1,6 +1,6 @@
 """The generation engine: continuous batching against transformers' own generate (CPU), prefill paths, requests
 and stops. Decode runs, out-of-memory recovery and the GPU paths are in test_engine_decode.py; the engine's parts
-alone in test_engine_parts.py; shared pieces in engine_cases.py."""
+alone in test_engine_parts.py and test_engine_memory.py; shared pieces in engine_cases.py."""
 
 from __future__ import annotations
 
