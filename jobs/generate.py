@@ -103,6 +103,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jobs.generate
         print(f"{prog}: interrupted; the shards written so far are complete: rerun the same command to resume",
               file=sys.stderr)
         return 130
+    except OSError as e:  # a write that failed mid-run (a full disk, a store gone read-only): one line
+        print(f"{prog}: error: {e}; the shards written before it are complete: rerun the same command to resume",
+              file=sys.stderr)
+        return 1
     return 0
 
 

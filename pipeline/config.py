@@ -83,6 +83,8 @@ class JobConfig:
             raise ValueError(f"gpus_per_actor must be a fraction in (0, 1] or a whole number, got {per_actor!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:  # a prompt token and a generated one (the engine's own check)
+                raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not self.log_interval_s > 0:

@@ -35,10 +35,20 @@ class OutputStore:
         self.fs, self.root = filesystem(url, endpoint_url)
 
     def prepare(self) -> None:
+        """Make the output's folders and check that files can be written in both (a folder left by an earlier run
+        may be read-only now): ValueError before any work, not a failed write after it."""
         try:
             self.fs.makedirs(posixpath.join(self.root, STATS_DIR), exist_ok=True)
         except Exception as e:  # noqa: BLE001 - permissions, missing bucket: name the output
             raise ValueError(f"cannot create output {self.url!r}: {e}") from None
+        for folder in (self.root, posixpath.join(self.root, STATS_DIR)):
+            probe = posixpath.join(folder, f".kivi-ray-write-check.{uuid.uuid4().hex}.tmp")
+            try:
+                with self.fs.open(probe, "wb") as f:
+                    f.write(b"")
+                self.fs.rm(probe)
+            except Exception as e:  # noqa: BLE001 - a read-only folder or bucket: name it
+                raise ValueError(f"cannot write to output {self.url!r} ({folder}): {e}") from None
         legacy = posixpath.join(self.root, STATS_DIR, "summary.json")  # an earlier version's summary, which kept
         try:  # pandas and Arrow from reading _stats/ as one table
             if self.fs.exists(legacy):

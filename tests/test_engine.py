@@ -161,11 +161,12 @@ def test_malformed_prompts_are_error_rows_and_a_failed_call_leaves_the_engine_cl
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI))
     good = requests([9, 14], [5, 3], seed=int(torch.randint(0, 1000, ())))
     bad = [Request("neg", [5, -1, 7]), Request("big", [3, tiny.config.vocab_size]), Request("text", "hello"),
-           Request("float", [5.0, 6.5])]
+           Request("float", [5.0, 6.5]), Request("long", [5] * engine.max_model_len)]
     expected = [c.token_ids for c in LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI)).generate(good)]
     out = engine.generate([good[0], *bad, good[1]])
-    assert [c.finish_reason for c in out] == ["length", "error", "error", "error", "error", "length"]
+    assert [c.finish_reason for c in out] == ["length", "error", "error", "error", "error", "error", "length"]
     assert "-1" in out[1].error and str(tiny.config.vocab_size) in out[2].error and "list" in out[3].error
+    assert f"leaves no room to generate within max_model_len={engine.max_model_len}" in out[5].error
     assert [out[0].token_ids, out[-1].token_ids] == expected
     runner_prefill = engine.runner.prefill
     monkeypatch.setattr(engine.runner, "prefill", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))

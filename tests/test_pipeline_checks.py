@@ -165,6 +165,39 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "interrupted" in err[0] and "resume" in err[0]
 
 
+def test_a_write_that_fails_mid_run_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    import pipeline.run
+
+    def disk_full(job):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline.run, "run", disk_full)
+    assert main(["--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "resume" in err[0]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A folder left by an earlier run may exist and be read-only now: prepare() writes a file in the output and in
+    _stats/ and removes it, so the job stops before Ray, not at its first shard; a writable output keeps no trace."""
+    from pipeline.sink import OutputStore
+
+    (tmp_path / "out/_stats").mkdir(parents=True)
+    store = OutputStore(str(tmp_path / "out"))
+    store.prepare()
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == ["_stats"]
+    real_open = store.fs.open
+    for folder in ("out", "_stats"):
+        def read_only(path, mode="rb", *args, folder=folder, **kwargs):
+            if "w" in mode and path.rsplit("/", 2)[-2] == folder:
+                raise OSError(30, "Read-only file system")
+            return real_open(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(store.fs, "open", read_only)
+        with pytest.raises(ValueError, match=rf"cannot write to output .*{folder}\): \[Errno 30\] Read-only"):
+            store.prepare()
+
+
 @pytest.mark.parametrize("total", [1, 7, 32, 1000, 5000, 100_000])
 @pytest.mark.parametrize("pool", [1, 2, 8])
 @pytest.mark.parametrize("width", [4, 256])
@@ -178,7 +211,8 @@ def test_rows_per_call_keeps_the_engine_wide_and_the_pool_busy(total, pool, widt
     assert rows >= min(width, total // slots)  # and each call as many rows as that allows, to keep the engine fed
 
 
-@pytest.mark.parametrize("argv", [["--kv-bits", "3"], ["--max-new-tokens", "0"], ["--temperature", "-1"]])
+@pytest.mark.parametrize("argv", [["--kv-bits", "3"], ["--max-new-tokens", "0"], ["--temperature", "-1"],
+                                  ["--max-model-len", "1"]])
 def test_bad_values_are_one_line(tmp_path, capsys, argv):
     assert main(["--output", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

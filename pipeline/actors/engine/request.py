@@ -101,7 +101,8 @@ class Request:
         if n == 0:
             return "empty prompt"
         if n >= max_model_len:
-            return f"prompt of {n} tokens does not fit the model's context of {max_model_len} tokens"
+            return (f"prompt of {n} tokens leaves no room to generate within max_model_len={max_model_len} (the "
+                    "model's context, or --max-model-len)")
         if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             return f"token id {bad} is outside the model's vocabulary [0, {vocab_size})"
