@@ -238,7 +238,7 @@ def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int, str | None]:
         raise ValueError(f"cannot read parquet file {file!r}: {e}") from None
     # the first fact the filesystem fills in (s3fs gives an ETag of "" where the store has none)
     key = next((k for k in ("ETag", "etag", "mtime", "LastModified", "updated") if info.get(k)), None)
-    return schema, rows, info.get("size") or fs.size(file), key and f"{key} {info[key]}"
+    return schema, rows, info["size"], key and f"{key} {info[key]}"
 
 
 def _shard_name(file: str, root: str) -> str:

@@ -120,27 +120,46 @@ def _same_data(was: dict[str, Any], now: dict[str, Any], digest: Callable[[str],
     return was.get("sha256") is not None and digest(name) == was["sha256"]
 
 
+def _facts(was: dict[str, Any], now: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(now's cheap facts, the recorded ones of the same keys): unequal means other rows. The version is left out: a
+    copy or a touch changes it, and where it changed the SHA-256 decides (_version_changed)."""
+    now_facts = {k: v for k, v in now.items() if k != "version"}
+    return now_facts, {k: was.get(k) for k in now_facts}
+
+
+def _version_changed(was: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether the file's version (ETag or modification time) differs from the one recorded; a shard recorded
+    without one (an earlier kivi-ray's) is not checked."""
+    return was.get("version") is not None and now.get("version") not in (None, was["version"])
+
+
 def _rewritten(was: dict[str, Any], now: dict[str, Any], digest: Callable[[str], str | None], name: str) -> bool:
     """Whether a file at its recorded path, with its recorded rows and bytes, now holds other data: its version
-    (ETag or modification time) changed and its SHA-256 with it. A shard recorded without a version (an earlier
-    version's) is not checked."""
-    if was.get("version") is None or now.get("version") in (None, was["version"]):
-        return False
-    return not _same_data(was, now, digest, name)
+    changed and its SHA-256 with it."""
+    return _version_changed(was, now) and not _same_data(was, now, digest, name)
 
 
 _DEFAULTS_SHOWN = {"input": "<sample prompts>", "model": "<SmolLM2-135M-Instruct>"}  # what None records
 
 
-def _digest_wanted(previous: Any, now: dict[str, Any] | None, settings: dict[str, Any]) -> bool:
-    """Whether check_resume may read this shard's input file whole: a file's recorded data (with a SHA-256) match its
-    rows and bytes now, and its input path or its version changed."""
-    was = previous.get("input_data") if isinstance(previous, dict) else None
-    if not isinstance(was, dict) or now is None or now.get("dataset") is not None or was.get("sha256") is None:
+def _recorded(previous: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(a shard's recorded settings as this version writes them, its recorded input data as a dict or None)."""
+    previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
+    was = previous.get("input_data")
+    if isinstance(was, str):  # 320f1d1's form, "<rows> rows, <bytes> bytes": the same facts as a dict
+        facts = re.fullmatch(r"(\d+) rows, (\d+) bytes", was)
+        was = {"rows": int(facts[1]), "bytes": int(facts[2])} if facts else None
+    return previous, was if isinstance(was, dict) else None
+
+
+def _digest_wanted(previous: dict[str, Any], was: dict[str, Any] | None, now: dict[str, Any] | None,
+                   settings: dict[str, Any]) -> bool:
+    """Whether check_resume reads this shard's input file whole: a file's recorded data (with a SHA-256) match its
+    cheap facts now, and its input path or its version changed."""
+    if was is None or now is None or now.get("dataset") is not None or was.get("sha256") is None:
         return False
-    if any(was.get(k) != v for k, v in now.items() if k != "version"):
-        return False
-    return previous.get("input") != settings.get("input") or was.get("version") not in (None, now.get("version"))
+    now_facts, cheap = _facts(was, now)
+    return cheap == now_facts and (previous.get("input") != settings.get("input") or _version_changed(was, now))
 
 
 def _prefetched(digest: Callable[[str], str | None], names: list[str]) -> Callable[[str], str | None]:
@@ -178,20 +197,14 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
     input path changed (a relative path under another working directory, a folder named as a glob) resumes only where
     the data are the same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then)."""
     mismatched = []
-    digest = _prefetched(digest, [name for name, previous in sorted(recorded.items()) if name in input_data
-                                  and _digest_wanted(previous, input_data[name], settings)])
-    for name, previous in sorted(recorded.items()):
-        if previous is None or previous is FOREIGN:
-            continue
-        previous = _shipped_as_none({**{k: f(previous) for k, f in _BEFORE_FIELD.items()}, **previous})
+    kept = [(name, *_recorded(previous), input_data.get(name)) for name, previous in sorted(recorded.items())
+            if previous is not None and previous is not FOREIGN]
+    digest = _prefetched(digest, [name for name, previous, was, now in kept
+                                  if _digest_wanted(previous, was, now, settings)])
+    for name, previous, was, now in kept:
         current = dict(settings)
-        was, now = previous.get("input_data"), input_data.get(name)
-        if isinstance(was, str):  # 320f1d1's form, "<rows> rows, <bytes> bytes": the same facts as a dict
-            facts = re.fullmatch(r"(\d+) rows, (\d+) bytes", was)
-            was = {"rows": int(facts[1]), "bytes": int(facts[2])} if facts else None
-        if name in input_data and isinstance(was, dict) and now is not None:
-            now_facts = {k: v for k, v in now.items() if k != "version"}  # a copy or a touch changes the version
-            cheap = {k: was.get(k) for k in now_facts}
+        if was is not None and now is not None:
+            now_facts, cheap = _facts(was, now)
             if cheap != now_facts:
                 current["input_data"], previous["input_data"] = now_facts, cheap
             elif previous.get("input") != settings.get("input") and _same_data(was, now, digest, name):

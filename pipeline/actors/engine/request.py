@@ -73,6 +73,12 @@ def _stops(value: Any) -> tuple:
     raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
 
 
+def _token_ints(ids: list | tuple) -> bool:
+    """Whether every id is an integer (Python's or NumPy's, not a bool)."""
+    return all(type(t) is int for t in ids) or all(  # fast path first
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -86,16 +92,14 @@ class Request:
                 converted = ids.tolist()  # Python ints (floats or bools stay what they are: error rows)
             except (RuntimeError, NotImplementedError, TypeError, ValueError):
                 return  # a tensor without data (the meta device): an error row, as any other type
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in converted):
-                return  # its error row names the array's type, not the list's
-            self.prompt_token_ids = converted
+            if _token_ints(converted):  # else its error row names the array's type, not the list's
+                self.prompt_token_ids = converted
 
     def problem(self, max_model_len: int, vocab_size: int | None = None) -> str | None:
         """Why the engine cannot run this request, or None: an empty or too long prompt, or one that is not a list
         of token ids in [0, vocab_size)."""
         ids = self.prompt_token_ids
-        if not isinstance(ids, (list, tuple)) or not (all(type(t) is int for t in ids) or all(  # fast path first
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)):
+        if not isinstance(ids, (list, tuple)) or not _token_ints(ids):
             return f"prompt_token_ids must be a list of integer token ids, got {type(ids).__name__}"
         n = len(ids)
         if n == 0:
