@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from jobs.generate import main
@@ -15,15 +14,7 @@ from pipeline.actors.actor import model_location
 from pipeline.actors.engine import SamplingParams
 from pipeline.config import JobConfig, build
 from pipeline.io import plan_input
-
-
-def write_table(path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, str(path))
-
-
-def write(path, **columns) -> None:
-    write_table(path, pa.table(columns))
+from tests.pipeline_cases import write
 
 
 def test_column_types_must_merge_across_files(tmp_path):

@@ -17,22 +17,14 @@ from pipeline.config import JobConfig, build
 from pipeline.io import plan_input
 from pipeline.resume import row_settings, stamp
 from pipeline.run import run
-from tests.pipeline_cases import write as write_columns
-
-
-def write(path, **columns) -> None:
-    write_columns(str(path), **columns)
-
-
-def write_table(path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, str(path))
+from tests.pipeline_cases import write
 
 
 def complete_output(tmp_path, job: JobConfig, name: str = "a") -> None:
     """An output holding shard `name` as `job` would have written it, and that run's summary."""
     table = stamp(pa.table({"id": [f"{name}-0"], "generated_text": ["done"]}), row_settings(job, plan_input(job)))
-    write_table(tmp_path / f"out/{name}.parquet", table)
+    (tmp_path / "out").mkdir(exist_ok=True)
+    pq.write_table(table, tmp_path / f"out/{name}.parquet")
     (tmp_path / "out/_stats").mkdir(exist_ok=True)
     (tmp_path / "out/_stats/_summary.json").write_text('{"summary": "of the run that made it"}')
 
