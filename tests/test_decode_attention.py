@@ -289,6 +289,22 @@ def test_kernels_compile_for_h200():
                                                                   GROUP=64, stride_vc_t=16, stride_vs_t=2)):
         specs.append((_decode_attention_mma_kernel, s16_ptrs, pairs,  # two blocks a step (version 25)
                       dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    specs.append((_decode_attention_mma_kernel, s16_ptrs,  # version 27: the engine's unsplit launch, the ring read
+                  dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=2, RING_PASS=True),  # by the ring pass beside it
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    specs.append((_decode_attention_mma_kernel, fp16_ptrs,
+                  dict(mma_consts, QG=1, BITS=4, V_COPY=1, stride_vc_t=16, RING_PASS=True),
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+    from kernels.decode_attention.kernel_ring import _ring_partial_kernel
+
+    for dtype, qg in (("bf16", 1), ("fp16", 4)):  # the ring pass
+        specs.append((_ring_partial_kernel, dict(q_ptr="*" + dtype, kr_ptr="*" + dtype, vr_ptr="*" + dtype,
+                                                 slots_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32",
+                                                 lse_ptr="*fp32", qk_scale="fp32"),
+                      dict(GROUP=32, RESIDUAL=128, HEAD_DIM=128, QG=qg, QG_PAD=16, BLOCK_N=32, USE_DOT=True,
+                           DOT_DTYPE=getattr(tl, {"bf16": "bfloat16", "fp16": "float16"}[dtype]),
+                           INPUT_PRECISION=None, ROW_MAJOR=True, stride_res_t=128),
+                      dict(num_warps=2)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),
                   dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128), dict(num_warps=2)))
     specs.append((attend._merge_splits_kernel, dict(ws_o_ptr="*fp32", ws_lse_ptr="*fp32", o_ptr="*bf16"),

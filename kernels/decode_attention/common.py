@@ -159,9 +159,13 @@ def output_args(out: torch.Tensor, num_splits: int):
                        stride_lse_b=0, stride_lse_h=0)
         return out, out, strides, None
     ws_o, ws_lse = split_buffers(out, num_splits)
-    strides = dict(stride_o_b=ws_o.stride(0), stride_o_h=ws_o.stride(1), stride_o_s=ws_o.stride(2),
-                   stride_lse_b=ws_lse.stride(0), stride_lse_h=ws_lse.stride(1))
-    return ws_o, ws_lse, strides, (ws_o, ws_lse)
+    return ws_o, ws_lse, workspace_strides(ws_o, ws_lse), (ws_o, ws_lse)
+
+
+def workspace_strides(ws_o: torch.Tensor, ws_lse: torch.Tensor) -> dict:
+    """The output strides stage 1 takes for a split workspace [B, Hq, S, D] and [B, Hq, S]."""
+    return dict(stride_o_b=ws_o.stride(0), stride_o_h=ws_o.stride(1), stride_o_s=ws_o.stride(2),
+                stride_lse_b=ws_lse.stride(0), stride_lse_h=ws_lse.stride(1))
 
 
 MERGE_ELEMENTS = 2048  # partial-output elements a merge program reads (32 a thread at 2 warps)
@@ -178,14 +182,15 @@ def programmatic_launch(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and _pdl_capable(device.index or 0)
 
 
-def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor) -> None:
+def merge_splits(ws_o: torch.Tensor, ws_lse: torch.Tensor, out: torch.Tensor, pdl: bool | None = None) -> None:
     """Second pass: out[b, h] from the NUM_SPLITS partials of the workspace, on grid (B, Hq, D / BLOCK_D) with
     BLOCK_D channels a program (fewer as the splits grow: at 126 splits of a B=1 row a program per 16
-    channels, not one program reading 64 KiB per head), launched as a programmatic dependent where it can."""
+    channels, not one program reading 64 KiB per head), launched as a programmatic dependent where it can (pdl
+    None) or where pdl says."""
     b, hq, num_splits, d = ws_o.shape
     splits_pad = triton_next_pow2(num_splits)
     block_d = min(d, max(16, MERGE_ELEMENTS // splits_pad))
-    pdl = programmatic_launch(out.device)
+    pdl = programmatic_launch(out.device) if pdl is None else pdl
     extra = dict(launch_pdl=True) if pdl else {}
     _merge_splits_kernel[(b, hq, d // block_d)](
         ws_o, ws_lse, out,
@@ -224,21 +229,29 @@ def decode_grid(batch: int, heads: int, num_splits: int) -> tuple[tuple[int, int
 
 
 def launch_kivi(kernel, q: torch.Tensor, caches: tuple, out: torch.Tensor, sm_scale: float, num_splits: int,
-                **meta) -> torch.Tensor:
+                workspace: tuple | None = None, before_merge=None, **meta) -> torch.Tensor:
     """One launch of a KIVI decode-attention kernel on decode_grid's grid ((KV heads, B, num_splits) by
     default) with the arguments all of them take, then the split merge. caches: (k_codes, k_scale, k_zero,
     v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens); meta: the kernel's own constexprs and
-    launch options."""
+    launch options. workspace: (ws_o [B, Hq, S, D], ws_lse [B, Hq, S]) fp32 with S > num_splits, whose first
+    num_splits splits the kernel writes (the others written elsewhere), merged whole after before_merge() (a
+    stream join, say: the merge is then not launched as a programmatic dependent)."""
     k_codes, k_scale, _, v_codes, v_scale, _, k_res, _, block_table, _, _ = caches
-    o, lse, o_strides, workspace = output_args(out, num_splits)
+    if workspace is None:
+        o, lse, o_strides, workspace = output_args(out, num_splits)
+    else:  # partials into the first num_splits splits of a given workspace, merged with the rest after
+        o, lse = workspace
+        o_strides = workspace_strides(o, lse)
     grid, row_major = decode_grid(q.shape[0], k_codes.shape[1], num_splits)
     kernel[grid](
         q, *caches, o, lse, qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
         **input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
-        SPLIT=num_splits > 1, ROW_MAJOR=row_major, **meta,
+        SPLIT=workspace is not None, ROW_MAJOR=row_major, **meta,
     )
+    if before_merge is not None:  # e.g. a join with another stream's writes: then no programmatic launch
+        before_merge()
     if workspace is not None:
-        merge_splits(*workspace, out)
+        merge_splits(*workspace, out, pdl=False if before_merge is not None else None)
     return out
 
 

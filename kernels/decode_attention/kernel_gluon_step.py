@@ -11,17 +11,20 @@ _LR = gl.constexpr(gl.BlockedLayout([8, 1, 8], [4, 8, 1], [1, 1, 1], [2, 0, 1]))
 
 @gluon.jit
 def _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP: gl.constexpr, RESIDUAL: gl.constexpr,
-                BLOCK_N: gl.constexpr, RING_UNITS: gl.constexpr = 0):
+                BLOCK_N: gl.constexpr, RING_UNITS: gl.constexpr = 0, WITH_RING: gl.constexpr = True):
     """Row b's token ranges and split `split`'s share of its work units: (slot, nq, n_res, n_packed, n_ring, lo,
     hi). Units are the packed BLOCK_N-token blocks, then the ring: RING_UNITS units per 32-slot chunk, or with
     RING_UNITS 0 one unit per BLOCK_N / 4 slots (its 16-bit bytes per slot are ~5x a packed token's), the split
-    holding the ring's first unit reading the whole ring."""
+    holding the ring's first unit reading the whole ring. Without WITH_RING (the ring read by a pass of its own)
+    the units are the packed blocks alone."""
     seq_len = gl.load(seq_lens_ptr + b)
     slot = gl.load(slots_ptr + b).to(gl.int64)
     nq = gl.cdiv(gl.maximum(seq_len - RESIDUAL, 0), GROUP) * GROUP
     n_packed = gl.cdiv(nq, BLOCK_N)
     n_ring = gl.minimum(seq_len, RESIDUAL)
-    if RING_UNITS == 0:
+    if not WITH_RING:
+        n_units = n_packed
+    elif RING_UNITS == 0:
         n_units = n_packed + gl.cdiv(n_ring, BLOCK_N // 4)
     else:
         n_units = n_packed + RING_UNITS * gl.cdiv(n_ring, 32)

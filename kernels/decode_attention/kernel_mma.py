@@ -98,13 +98,15 @@ def _decode_attention_mma_kernel(
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2, BITS: gl.constexpr = 2,
     PDL: gl.constexpr = False, STEP_BLOCKS: gl.constexpr = 1, ROW_MAJOR: gl.constexpr = False,
+    RING_PASS: gl.constexpr = False,
 ):
     """grid (B, H, num_splits), or (H, B, num_splits) with ROW_MAJOR: the QG query heads of KV head h of row b,
     one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
     dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp. PDL (sm_90 and newer, split calls): let the
     merge, a programmatic dependent, launch at once (common.merge_splits). STEP_BLOCKS: packed 64-token blocks per
-    online-softmax step (1, or 2: kernel_mma_loop._packed_loop_pairs)."""
+    online-softmax step (1, or 2: kernel_mma_loop._packed_loop_pairs). RING_PASS: the ring is read elsewhere (the
+    ring pass of kernel_ring.py, a split of its own), so the splits share out the packed blocks alone."""
     gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
     gl.static_assert(BITS == 2 or BITS == 4)
     gl.static_assert(STEP_BLOCKS == 1 or STEP_BLOCKS == 2)
@@ -116,7 +118,7 @@ def _decode_attention_mma_kernel(
         split = _launch_dependents(split)
     # stage 0: this row's token ranges and this split's work units
     slot, nq, n_res, n_packed, n_ring, lo, hi = _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP,
-                                                            RESIDUAL, 64, RING_UNITS)
+                                                            RESIDUAL, 64, RING_UNITS, not RING_PASS)
     # stage 1: the query group: fp32 times qk in the A operand's order, and raw as an A operand [16, 128]
     q_row = q_ptr + b * stride_q_b + (h * QG) * stride_q_h
     offs_h8 = gl.arange(0, 8, layout=gl.SliceLayout(1, _Q8))
@@ -156,6 +158,8 @@ def _decode_attention_mma_kernel(
     if kr_ptr.dtype.element_ty != kz_ptr.dtype.element_ty:  # fp16 scales, bf16 ring
         q_a = _query_operand(q_row, stride_q_h, QG, kr_ptr.dtype.element_ty)
     ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
+    if RING_PASS:
+        ring_hi = ring_lo
     for start in range(ring_lo, ring_hi, 32):
         m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res,
                                                      qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL,

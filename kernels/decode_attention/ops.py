@@ -8,7 +8,7 @@ from ..packing import expected_scale_dtype
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
-from .ops_mma import MMA_DEFAULT, check_step_blocks, check_value_copy, launch_mma, mma_eligible
+from .ops_mma import MMA_DEFAULT, check_ring_pass, check_step_blocks, check_value_copy, launch_mma, mma_eligible
 
 _OP = "decode_attention"
 
@@ -114,6 +114,7 @@ def decode_attention(
     value_copy: str | None = None,
     ring_units: int | None = None,
     step_blocks: int | None = None,
+    ring_pass: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -145,6 +146,7 @@ def decode_attention(
                residual_length=residual_length, page_size=page_size)
     check_value_copy(value_copy)
     check_step_blocks(step_blocks)
+    check_ring_pass(ring_pass)
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     qg = q_heads // kv_heads
@@ -171,7 +173,7 @@ def decode_attention(
                              f"device={q.device}")
         return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          maxnreg, num_stages, value_copy, ring_units, step_blocks)
+                          maxnreg, num_stages, value_copy, ring_units, step_blocks, ring_pass)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in table_knobs)

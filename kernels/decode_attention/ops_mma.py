@@ -12,6 +12,7 @@ import torch
 
 from . import common as C
 from .ops_fma import cp_async_aligned
+from .ops_ring import launch_ring_partial
 
 try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; it has no interpreter mode
     from .kernel_mma import _decode_attention_mma_kernel
@@ -56,6 +57,17 @@ MMA_STEP_BLOCKS: int | None = None
 # packed blocks a program may read at least for step_blocks 2, (unsplit, split): of the block table's capacity
 # (the launcher's max_tokens, which sets the split count too; the rows' own lengths are on the GPU)
 MMA_PAIRS_MIN_BLOCKS = (16, 64)
+# version 27: the full-precision ring read by programs of its own (kernel_ring.py) on a side stream, beside the
+# tensor-core kernel over the packed blocks, as one more split of the merge: the one-warp programs' 212 registers
+# (8 an SM) held the ring at 0.85 of copy where the paged bf16 kernel reads the same bytes at 1.02, and the side
+# programs fill the room those programs leave (kernel_notes.md, version 27). By default (mma_ring_pass) on 2-bit
+# calls of one to two waves of programs, which the launcher would otherwise split in two and which then run unsplit:
+# B=64, L=4,096, 32/32 heads 287 -> 260 us, a GQA mix of 200 rows 156 -> 145-147. From two waves up it was 4-6%
+# faster on ring-only rows and rows of 4,096 tokens, even on a's and b's rows and 1% slower on d's, and the engine's
+# step on a, b and d was 0-0.8% slower (engine-20261201-h200-ring-pass-abd.json); under a wave (split calls) it lost
+# 1-26%; at 4 bits, whose kernel reads its ring at 0.90 of copy, it was 3% slower on a's and ring-only rows
+MMA_RING_PASS = True
+MMA_RING_PASS_BITS = (2,)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
@@ -112,9 +124,21 @@ def mma_step_blocks(bits: int, num_splits: int, max_tokens: int, residual_length
     return 2 if bits == 2 and blocks_per_program >= MMA_PAIRS_MIN_BLOCKS[num_splits > 1] else 1
 
 
+def mma_ring_pass(bits: int, rows: int, num_splits: int | None, maxnreg: int, device: torch.device) -> bool:
+    """The default ring_pass: MMA_RING_PASS for MMA_RING_PASS_BITS caches where no split count is given and the
+    call's rows (batch x KV heads) fill a wave of the kernel's programs but fewer than MMA_PER_SM programs an SM,
+    where the launcher would split them in two (common.choose_num_splits): the call then runs unsplit beside the
+    ring pass."""
+    sms = C.num_sms(device)
+    wave = (mma_resident(maxnreg) or MMA_PER_SM) * sms
+    return (MMA_RING_PASS and bits in MMA_RING_PASS_BITS and num_splits is None
+            and wave <= rows < MMA_PER_SM * sms)
+
+
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-               maxnreg=None, stages=None, value_copy=None, ring_units=None, step_blocks=None) -> torch.Tensor:
+               maxnreg=None, stages=None, value_copy=None, ring_units=None, step_blocks=None,
+               ring_pass=None) -> torch.Tensor:
     """The tensor-core kernel: grid common.decode_grid of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
@@ -123,7 +147,9 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     "transposed" where a token's 4 * bits words are not contiguous).
     ring_units: the work units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default;
     0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2
-    (mma_step_blocks by default; 2 takes 2 stages of each kind a step)."""
+    (mma_step_blocks by default; 2 takes 2 stages of each kind a step). ring_pass: the ring read by programs of
+    its own on a side stream (ops_ring), a split of its own in the merge (mma_ring_pass by default; the call is
+    then unsplit unless num_splits says otherwise)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -140,16 +166,55 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     ring_units = MMA_RING_UNITS if ring_units is None else ring_units
     if not isinstance(ring_units, int) or not 0 <= ring_units <= 8:
         raise ValueError(f"{_OP}: ring_units must be an int in [0, 8], got {ring_units!r}")
+    check_ring_pass(ring_pass)
+    if ring_pass is None:
+        ring_pass = mma_ring_pass(bits, batch * kv_heads, num_splits, maxnreg, q.device)
+    if ring_pass and num_splits is None:
+        num_splits = 1
     num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM,
                                    resident=mma_resident(maxnreg))
     if step_blocks is None:
         step_blocks = mma_step_blocks(bits, num_splits, max_tokens, residual_length)
     check_step_blocks(step_blocks)  # a given value, or MMA_STEP_BLOCKS when set
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
-    return C.launch_kivi(
-        _decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits,
-        QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
-        V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits,
-        PDL=num_splits > 1 and C.programmatic_launch(q.device), STEP_BLOCKS=step_blocks,
-        num_warps=1, maxnreg=maxnreg,
-    )
+    meta = dict(QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
+                V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits, STEP_BLOCKS=step_blocks,
+                num_warps=1, maxnreg=maxnreg)
+    if ring_pass:
+        return _launch_with_ring_pass(q, caches, out, sm_scale, group_size, residual_length, num_splits, **meta)
+    return C.launch_kivi(_decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits, RING_PASS=False,
+                         PDL=num_splits > 1 and C.programmatic_launch(q.device), **meta)
+
+
+def check_ring_pass(ring_pass: bool | None) -> None:
+    """A clear error for a ring_pass that is not None, True or False, on every path of the call."""
+    if ring_pass is not None and not isinstance(ring_pass, bool):
+        raise ValueError(f"{_OP}: ring_pass must be None, True or False, got {ring_pass!r}")
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _launch_with_ring_pass(q, caches, out, sm_scale, group_size, residual_length, num_splits, **meta):
+    """The kernel over the packed blocks alone (RING_PASS) in num_splits splits of a workspace of num_splits + 1,
+    the ring pass (ops_ring) into the last split on a side stream launched after it, then the split merge once
+    both are done. The side stream waits only for what came before the call, so its programs take the SM room that
+    the kernel's 212-register programs leave (a CUDA graph captured over the call keeps the fork and the join)."""
+    batch, q_heads, head_dim = q.shape
+    ws_o = torch.empty((batch, q_heads, num_splits + 1, head_dim), dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty((batch, q_heads, num_splits + 1), dtype=torch.float32, device=q.device)
+    if q.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[q.device] = torch.cuda.Stream(q.device)
+    side = _SIDE_STREAMS[q.device]
+    main = torch.cuda.current_stream(q.device)
+    start = main.record_event()
+
+    def ring_pass_then_join():
+        side.wait_event(start)
+        with torch.cuda.stream(side):
+            launch_ring_partial(q, caches[6], caches[7], caches[9], caches[10], ws_o[:, :, num_splits],
+                                ws_lse[:, :, num_splits], sm_scale, group_size, residual_length)
+        main.wait_stream(side)
+
+    return C.launch_kivi(_decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits, workspace=(ws_o, ws_lse),
+                         before_merge=ring_pass_then_join, RING_PASS=True, PDL=False, **meta)

@@ -1,10 +1,13 @@
-"""PyTorch fp32 reference of decode_attention (same signature as ops.py); the model's CPU path.
+"""PyTorch fp32 reference of decode_attention (same signature as ops.py), the model's CPU path, and of the ring's
+share of it, ring_partial (same signature as ops_ring.py).
 
 Vectorized over the batch: gather every row's pages through the block table, dequantize them with
 kernels/packing.py, append the residual ring, mask what each row does not hold, one softmax.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -88,10 +91,11 @@ def decode_attention(
     value_copy: str | None = None,
     ring_units: int | None = None,
     step_blocks: int | None = None,
+    ring_pass: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
     del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, maxnreg, cp_async, magic, mma
-    del value_copy, ring_units, step_blocks
+    del value_copy, ring_units, step_blocks, ring_pass
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()
@@ -131,3 +135,41 @@ def decode_attention(
         return result.to(q.dtype)
     out.copy_(result)
     return out
+
+
+def ring_partial(
+    q: torch.Tensor,
+    k_res: torch.Tensor,
+    v_res: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float,
+    group_size: int,
+    residual_length: int,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ops_ring.ring_partial: the ring's share of decode_attention, (o [B, Hq, D] fp32 normalized
+    over the ring's tokens, lse [B, Hq] fp32 base-2 log-sum-exp of the scaled scores, -inf where the ring is
+    empty). The tuning arguments are accepted and ignored."""
+    del block_n, num_warps
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_res.shape[1]
+    seq_lens = seq_lens.long()
+    slots = torch.where(seq_lens > 0, slots.long(), torch.zeros_like(slots.long()))
+    ring = ring_mask(seq_lens, quantized_lengths(seq_lens, group_size, residual_length), residual_length)  # [B, R]
+    zero = torch.zeros((), device=q.device)
+    k_ring = torch.where(ring[:, None, :, None], k_res[slots].float(), zero)  # [B, H, R, D]
+    v_ring = torch.where(ring[:, None, :, None], v_res[slots].float(), zero)
+    qf = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)  # [B, H, QG, D]
+    scores = (torch.matmul(qf, k_ring.transpose(-1, -2)) * sm_scale).masked_fill_(~ring[:, None, None, :],
+                                                                                  float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows without ring tokens -> zeros
+    o = torch.matmul(probs, v_ring).view(batch, q_heads, head_dim)
+    log2_sum = (torch.logsumexp(scores, dim=-1) * math.log2(math.e)).view(batch, q_heads)
+    out = o if out is None else out.copy_(o)
+    lse = log2_sum if lse is None else lse.copy_(log2_sum)
+    return out, lse
