@@ -51,8 +51,9 @@ def ordered(lengths: list[int], order: str, seed: int) -> list[int]:
     return out
 
 
-def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int):
-    """(calls(order) -> list of one-set calls, check(order) -> rel L2 on two rows, bytes) for KIVI caches."""
+def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int, **knobs):
+    """(calls(order) -> list of one-set calls, check(order) -> rel L2 on two rows, bytes) for KIVI caches; knobs
+    go to every decode_attention call."""
     from gpu_timing import sets_for
     from kernel_cases import rel_l2
     from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
@@ -74,7 +75,7 @@ def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int):
 
     def calls(order):
         set_order(order)
-        return [lambda i=i: decode_attention(data["sets"][i]["q"], *kivi_args(data, i), out=outs[i], **ints)
+        return [lambda i=i: decode_attention(data["sets"][i]["q"], *kivi_args(data, i), out=outs[i], **ints, **knobs)
                 for i in range(n_sets)]
 
     def check(order):

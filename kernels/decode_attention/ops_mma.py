@@ -63,9 +63,9 @@ MMA_PAIRS_MIN_BLOCKS = (16, 64)
 # programs fill the room those programs leave (kernel_notes.md, version 27). By default (mma_ring_pass) on 2-bit
 # calls of one to two waves of programs, which the launcher would otherwise split in two and which then run unsplit:
 # B=64, L=4,096, 32/32 heads 287 -> 260 us, a GQA mix of 200 rows 156 -> 145-147. From two waves up it was 4-6%
-# faster on ring-only rows and rows of 4,096 tokens, even on a's and b's rows and 1% slower on d's, and the engine's
+# faster on ring-only rows and rows of 4,096 tokens, 2% on b's, even on a's and 1% slower on d's, and the engine's
 # step on a, b and d was 0-0.8% slower (engine-20261201-h200-ring-pass-abd.json); under a wave (split calls) it lost
-# 1-26%; at 4 bits, whose kernel reads its ring at 0.90 of copy, it was 3% slower on a's and ring-only rows
+# 2-30%; at 4 bits, whose kernel reads its ring at 0.90 of copy, it was 3% slower on a's and ring-only rows
 MMA_RING_PASS = True
 MMA_RING_PASS_BITS = (2,)
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
