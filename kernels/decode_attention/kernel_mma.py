@@ -149,24 +149,23 @@ def _decode_attention_mma_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3, z = _packed_loop(
             q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
             stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY, BITS)
-    # stage 3: the full-precision ring, 32 slots at a time, into its own sums
+    # stage 3: the full-precision ring, 32 slots at a time, into its own sums (with RING_PASS: none here)
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
     r1 = r0
     r2 = r0
     r3 = r0
-    res = slot * stride_res_s + h * stride_res_h
-    if kr_ptr.dtype.element_ty != kz_ptr.dtype.element_ty:  # fp16 scales, bf16 ring
-        q_a = _query_operand(q_row, stride_q_h, QG, kr_ptr.dtype.element_ty)
-    ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
-    if RING_PASS:
-        ring_hi = ring_lo
-    for start in range(ring_lo, ring_hi, 32):
-        m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL, n_res,
-                                                     qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL,
-                                                     BITS)
-        alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
-        acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
-        z = z * alpha_c
+    if not RING_PASS:
+        res = slot * stride_res_s + h * stride_res_h
+        if kr_ptr.dtype.element_ty != kz_ptr.dtype.element_ty:  # fp16 scales, bf16 ring
+            q_a = _query_operand(q_row, stride_q_h, QG, kr_ptr.dtype.element_ty)
+        ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
+        for start in range(ring_lo, ring_hi, 32):
+            m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL,
+                                                         n_res, qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t,
+                                                         RESIDUAL, BITS)
+            alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+            acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
+            z = z * alpha_c
     # stage 4: codes' factors undone, the zeros' share, normalized (or the split's partial and log-sum-exp)
     has_keys = l_i > 0.0
     inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), _COLS)[None, :]

@@ -1,7 +1,7 @@
 """Launcher of version 27's ring pass (kernel_ring.py): the full-precision ring's share of a decode-attention
-call as a normalized fp32 partial and its base-2 log-sum-exp, which the tensor-core kernel merges at its end
-(ops_mma.launch_mma with ring_pass: one more split of its merge). Same signature as reference.ring_partial, the
-spec."""
+call as a normalized fp32 partial and its base-2 log-sum-exp, which the split merge joins with the tensor-core
+kernel's partials (ops_mma.launch_mma with ring_pass: one more split). Same signature as reference.ring_partial,
+the spec."""
 
 from __future__ import annotations
 
