@@ -36,15 +36,11 @@ DEFAULT_SHAPES = ["ring:256:128:128:32:32", "ring8:512:128:128:32:8", "a:256:161
 
 
 def run_variant(system: str, shape: str, variant: str, copy_gbps: float, l2: int) -> dict:
-    from gpu_timing import time_graph
-    from kernel_cases import CHECK_TOL
-    from row_order_probe import bf16_case, kivi_case, row_lengths
+    from row_order_probe import bf16_case, kivi_case, measure, parse_shape
 
     from kernels.decode_attention import ops_ring
 
-    name, B, lo, hi, Hq, H = shape.split(":")
-    B, lo, hi, Hq, H = int(B), int(lo), int(hi), int(Hq), int(H)
-    lengths = row_lengths(B, lo, hi, seed=B * 7919 + hi)
+    name, B, Hq, H, lengths = parse_shape(shape)
     if variant == "paged":
         calls, check, nbytes = bf16_case(lengths, Hq, H, l2)
     else:
@@ -53,15 +49,9 @@ def run_variant(system: str, shape: str, variant: str, copy_gbps: float, l2: int
             block_n, warps = map(int, variant.rsplit("-", 1)[1].split("x"))
             ops_ring.RING_BLOCK_N, ops_ring.RING_WARPS = block_n, warps  # read at each launch
         calls, check, nbytes = kivi_case(lengths, Hq, H, int(system.split("-")[1]), l2, ring_pass=ring_pass)
-    rec = dict(system=system, shape=name, batch=B, q_heads=Hq, kv_heads=H, variant=variant,
-               lengths=[min(lengths), round(sum(lengths) / B, 1), max(lengths)], bytes=nbytes,
-               check_rel_l2=check("longest-first"))
-    if not rec["check_rel_l2"] < CHECK_TOL:
-        rec["error"] = "check failed"
-    else:
-        ms = time_graph(calls("longest-first"))["ms"]
-        rec.update(us=round(ms * 1e3, 2), gbps=round(nbytes / (ms * 1e-3) / 1e9, 1))
-        rec["frac_of_copy"] = round(rec["gbps"] / copy_gbps, 4)
+    rec = measure(dict(system=system, shape=name, batch=B, q_heads=Hq, kv_heads=H, variant=variant,
+                       lengths=[min(lengths), round(sum(lengths) / B, 1), max(lengths)], bytes=nbytes),
+                  calls, check, "longest-first", copy_gbps)
     print(f"{system:7s} {name:6s} B={B} {Hq}/{H} lengths {rec['lengths']} {variant:16s} {rec.get('us')} us "
           f"({rec.get('frac_of_copy')} of copy) check {rec['check_rel_l2']:.1e}", flush=True)
     ops_ring.RING_BLOCK_N, ops_ring.RING_WARPS = DEFAULT_TILE
@@ -70,8 +60,8 @@ def run_variant(system: str, shape: str, variant: str, copy_gbps: float, l2: int
 
 
 def main() -> None:
-    from common import copy_bandwidth, env_header, finish
-    from gpu_timing import l2_bytes
+    from common import env_header, finish
+    from row_order_probe import gpu_setup
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="name:B:shortest:longest:q_heads:kv_heads")
@@ -80,19 +70,15 @@ def main() -> None:
     ap.add_argument("--no-paged", action="store_true", help="skip the paged bf16 kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("ring_pass_probe needs a CUDA GPU")
-    device = torch.device("cuda")
-    copy = copy_bandwidth(device)
-    l2 = l2_bytes()
+    device, copy_gbps, l2 = gpu_setup("ring_pass_probe")
     variants = ["in-kernel"] + [f"ring-pass-{t}" for t in args.tiles]
     records = []
     for shape in args.shapes:
         for bits in args.bits:
-            records += [run_variant(f"kivi-{bits}", shape, v, copy["gbs"], l2) for v in variants]
+            records += [run_variant(f"kivi-{bits}", shape, v, copy_gbps, l2) for v in variants]
         if not args.no_paged:
-            records.append(run_variant("bf16", shape, "paged", copy["gbs"], l2))
-    finish(args.out, dict(header=env_header(device), copy_gbps=copy["gbs"], records=records))
+            records.append(run_variant("bf16", shape, "paged", copy_gbps, l2))
+    finish(args.out, dict(header=env_header(device), copy_gbps=copy_gbps, records=records))
 
 
 if __name__ == "__main__":

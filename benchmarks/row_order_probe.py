@@ -127,15 +127,32 @@ def bf16_case(lengths: list[int], Hq: int, H: int, l2: int):
     return calls, check, nbytes
 
 
-def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
+def parse_shape(shape: str) -> tuple[str, int, int, int, list[int]]:
+    """(name, B, q_heads, kv_heads, row lengths) of name:B:shortest:longest:q_heads:kv_heads (one seeded draw)."""
+    name, B, lo, hi, Hq, H = shape.split(":")
+    B, lo, hi, Hq, H = int(B), int(lo), int(hi), int(Hq), int(H)
+    return name, B, Hq, H, row_lengths(B, lo, hi, seed=B * 7919 + hi)
+
+
+def measure(rec: dict, calls, check, order: str, copy_gbps: float) -> dict:
+    """rec with the check on two rows, then (if it passed) the CUDA-graph time, GB/s and fraction of copy."""
     from gpu_timing import time_graph
     from kernel_cases import CHECK_TOL
 
+    rec["check_rel_l2"] = check(order)
+    if not rec["check_rel_l2"] < CHECK_TOL:
+        rec["error"] = "check failed"
+        return rec
+    ms = time_graph(calls(order))["ms"]
+    rec.update(us=round(ms * 1e3, 2), gbps=round(rec["bytes"] / (ms * 1e-3) / 1e9, 1))
+    rec["frac_of_copy"] = round(rec["gbps"] / copy_gbps, 4)
+    return rec
+
+
+def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
     from kernels.decode_attention import common as C
 
-    name, B, lo, hi, Hq, H = shape.split(":")
-    B, lo, hi, Hq, H = int(B), int(lo), int(hi), int(Hq), int(H)
-    lengths = row_lengths(B, lo, hi, seed=B * 7919 + hi)
+    name, B, Hq, H, lengths = parse_shape(shape)
     if system == "bf16":
         calls, check, nbytes = bf16_case(lengths, Hq, H, l2)
     else:
@@ -144,15 +161,9 @@ def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
     for order in ORDERS:
         for row_major in (True, False):
             C.ROW_MAJOR = row_major  # read at each launch, so inside the graph's capture too
-            rec = dict(system=system, shape=name, batch=B, q_heads=Hq, kv_heads=H,
-                       lengths=[min(lengths), round(sum(lengths) / B, 1), max(lengths)], order=order,
-                       row_major=row_major, bytes=nbytes, check_rel_l2=check(order))
-            if not rec["check_rel_l2"] < CHECK_TOL:
-                rec["error"] = "check failed"
-            else:
-                ms = time_graph(calls(order))["ms"]
-                rec.update(us=round(ms * 1e3, 2), gbps=round(nbytes / (ms * 1e-3) / 1e9, 1))
-                rec["frac_of_copy"] = round(rec["gbps"] / copy_gbps, 4)
+            rec = measure(dict(system=system, shape=name, batch=B, q_heads=Hq, kv_heads=H,
+                               lengths=[min(lengths), round(sum(lengths) / B, 1), max(lengths)], order=order,
+                               row_major=row_major, bytes=nbytes), calls, check, order, copy_gbps)
             records.append(rec)
             print(f"{system:7s} {name:5s} B={B} {Hq}/{H} lengths {rec['lengths']} {order:13s} "
                   f"row_major={row_major!s:5s} {rec.get('us')} us ({rec.get('frac_of_copy')} of copy) "
@@ -162,23 +173,29 @@ def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
     return records
 
 
-def main() -> None:
-    from common import copy_bandwidth, env_header, finish
+def gpu_setup(script: str) -> tuple[torch.device, float, int]:
+    """(device, copy GB/s measured now, L2 bytes) for a probe that needs a CUDA GPU (SystemExit otherwise)."""
+    from common import copy_bandwidth
     from gpu_timing import l2_bytes
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    device = torch.device("cuda")
+    return device, copy_bandwidth(device)["gbs"], l2_bytes()
+
+
+def main() -> None:
+    from common import env_header, finish
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="name:B:shortest:longest:q_heads:kv_heads")
     ap.add_argument("--systems", nargs="*", default=["kivi-2", "kivi-4", "bf16"], choices=["kivi-2", "kivi-4", "bf16"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("row_order_probe needs a CUDA GPU")
-    device = torch.device("cuda")
-    copy = copy_bandwidth(device)
-    l2 = l2_bytes()
+    device, copy_gbps, l2 = gpu_setup("row_order_probe")
     records = [rec for shape in args.shapes for system in args.systems
-               for rec in run_case(system, shape, copy["gbs"], l2)]
-    finish(args.out, dict(header=env_header(device), copy_gbps=copy["gbs"], records=records))
+               for rec in run_case(system, shape, copy_gbps, l2)]
+    finish(args.out, dict(header=env_header(device), copy_gbps=copy_gbps, records=records))
 
 
 if __name__ == "__main__":
