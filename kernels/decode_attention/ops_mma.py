@@ -209,11 +209,13 @@ def _launch_with_ring_pass(q, caches, out, sm_scale, group_size, residual_length
     main = torch.cuda.current_stream(q.device)
     start = main.record_event()
 
+    k_res, v_res, _, slots, seq_lens = caches[6:]
+
     def ring_pass_then_join():
         side.wait_event(start)
         with torch.cuda.stream(side):
-            launch_ring_partial(q, caches[6], caches[7], caches[9], caches[10], ws_o[:, :, num_splits],
-                                ws_lse[:, :, num_splits], sm_scale, group_size, residual_length)
+            launch_ring_partial(q, k_res, v_res, slots, seq_lens, ws_o[:, :, num_splits], ws_lse[:, :, num_splits],
+                                sm_scale, group_size, residual_length)
         main.wait_stream(side)
 
     return C.launch_kivi(_decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits, workspace=(ws_o, ws_lse),

@@ -26,6 +26,17 @@ def ring_mask(seq_lens: torch.Tensor, nq: torch.Tensor, residual_length: int) ->
     return (j[None, :] - nq[:, None]) % residual_length < (seq_lens.long() - nq)[:, None]
 
 
+def ring_tokens(k_res: torch.Tensor, v_res: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                nq: torch.Tensor, residual_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ring_mask [B, R], keys, values [B, H, R, D] fp32, zeros in slots that hold no token) of rows slots[b]
+    (int64, valid for every row)."""
+    ring = ring_mask(seq_lens, nq, residual_length)
+    zero = torch.zeros((), device=k_res.device)
+    k_ring = torch.where(ring[:, None, :, None], k_res[slots].float(), zero)
+    v_ring = torch.where(ring[:, None, :, None], v_res[slots].float(), zero)
+    return ring, k_ring, v_ring
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sm_scale: float,
            out: torch.Tensor | None) -> torch.Tensor:
     """q [B, Hq, D]; keys/values [B, H, T, D] fp32 (zeros where masked); mask [B, T] -> [B, Hq, D]."""
@@ -119,9 +130,7 @@ def decode_attention(
     s_packed = torch.einsum("bhgd,bnhpd->bhgnp", qf, keys).flatten(-2)  # [B, H, QG, n_pages * P]
 
     # residual ring [R): slot j valid iff it holds a token of [nq, L)
-    ring = ring_mask(seq_lens, nq, residual_length)  # [B, R]
-    k_ring = torch.where(ring[:, None, :, None], k_res[slots].float(), zero)  # [B, H, R, D]
-    v_ring = torch.where(ring[:, None, :, None], v_res[slots].float(), zero)
+    ring, k_ring, v_ring = ring_tokens(k_res, v_res, slots, seq_lens, nq, residual_length)
     s_ring = torch.matmul(qf, k_ring.transpose(-1, -2))  # [B, H, QG, R]
 
     # one softmax over both; rows without keys -> zeros
@@ -159,11 +168,9 @@ def ring_partial(
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()
-    slots = torch.where(seq_lens > 0, slots.long(), torch.zeros_like(slots.long()))
-    ring = ring_mask(seq_lens, quantized_lengths(seq_lens, group_size, residual_length), residual_length)  # [B, R]
-    zero = torch.zeros((), device=q.device)
-    k_ring = torch.where(ring[:, None, :, None], k_res[slots].float(), zero)  # [B, H, R, D]
-    v_ring = torch.where(ring[:, None, :, None], v_res[slots].float(), zero)
+    slots = torch.where(seq_lens > 0, slots.long(), torch.zeros_like(slots.long()))  # inactive rows: any slot
+    nq = quantized_lengths(seq_lens, group_size, residual_length)
+    ring, k_ring, v_ring = ring_tokens(k_res, v_res, slots, seq_lens, nq, residual_length)
     qf = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)  # [B, H, QG, D]
     scores = (torch.matmul(qf, k_ring.transpose(-1, -2)) * sm_scale).masked_fill_(~ring[:, None, None, :],
                                                                                   float("-inf"))
