@@ -155,21 +155,45 @@ def _decode_attention_mma_kernel(
     r2 = r0
     r3 = r0
     if not RING_PASS:
-        res = slot * stride_res_s + h * stride_res_h
         if kr_ptr.dtype.element_ty != kz_ptr.dtype.element_ty:  # fp16 scales, bf16 ring
             q_a = _query_operand(q_row, stride_q_h, QG, kr_ptr.dtype.element_ty)
-        ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
-        for start in range(ring_lo, ring_hi, 32):
-            m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_ptr + res, vr_ptr + res, start, nq % RESIDUAL,
-                                                         n_res, qk_scale, m_i, l_i, r0, r1, r2, r3, stride_res_t,
-                                                         RESIDUAL, BITS)
-            alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
-            acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
-            z = z * alpha_c
+        res = slot * stride_res_s + h * stride_res_h
+        m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3 = _ring_stage(
+            q_a, kr_ptr + res, vr_ptr + res, lo, hi, n_packed, n_ring, nq, n_res, qk_scale, m_i, l_i, acc0, acc1,
+            acc2, acc3, z, stride_res_t, RESIDUAL, BITS, SPLIT, RING_UNITS)
     # stage 4: codes' factors undone, the zeros' share, normalized (or the split's partial and log-sum-exp)
+    _store_item(o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s,
+                lse_ptr + b * stride_lse_b + (h * QG) * stride_lse_h + split, m_i, l_i, acc0, acc1, acc2, acc3, z,
+                r0, r1, r2, r3, stride_o_h, stride_lse_h, QG, GROUP, BITS, SPLIT)
+
+
+@gluon.jit
+def _ring_stage(q_a, kr_row, vr_row, lo, hi, n_packed, n_ring, nq, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2,
+                acc3, z, stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr, BITS: gl.constexpr,
+                SPLIT: gl.constexpr, RING_UNITS: gl.constexpr):
+    """The split's share of the ring (_ring_share; pointers at the row's slot and head) into sums of its own,
+    r0..r3 [32, 8], the packed sums rescaled as the softmax state moves: (m_i, l_i, acc0..acc3, z, r0..r3)."""
+    r0 = gl.zeros([32, 8], gl.float32, _MMA)
+    r1 = r0
+    r2 = r0
+    r3 = r0
+    ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
+    for start in range(ring_lo, ring_hi, 32):
+        m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_row, vr_row, start, nq % RESIDUAL, n_res, qk_scale,
+                                                     m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL, BITS)
+        alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+        acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
+        z = z * alpha_c
+    return m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3
+
+
+@gluon.jit
+def _store_item(o_row, lse_row, m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3, stride_o_h, stride_lse_h,
+                QG: gl.constexpr, GROUP: gl.constexpr, BITS: gl.constexpr, SPLIT: gl.constexpr):
+    """The QG heads' output at o_row (pointers at the row, first head and split): the codes' factors undone, the
+    zeros' share, normalized; with SPLIT the fp32 partial and its base-2 log-sum-exp at lse_row."""
     has_keys = l_i > 0.0
     inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l_i, 1.0), _COLS)[None, :]
-    o_row = o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s
     _store_chunk(o_row, acc0, z, r0, inv_l, 0, stride_o_h, QG, GROUP, BITS)
     _store_chunk(o_row, acc1, z, r1, inv_l, 1, stride_o_h, QG, GROUP, BITS)
     _store_chunk(o_row, acc2, z, r2, inv_l, 2, stride_o_h, QG, GROUP, BITS)
@@ -177,7 +201,7 @@ def _decode_attention_mma_kernel(
     if SPLIT:
         lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
         offs_h = gl.arange(0, 8, layout=_ROWS)
-        gl.store(lse_ptr + b * stride_lse_b + (h * QG + offs_h) * stride_lse_h + split, lse, mask=offs_h < QG)
+        gl.store(lse_row + offs_h * stride_lse_h, lse, mask=offs_h < QG)
 
 
 @gluon.jit
