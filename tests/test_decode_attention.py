@@ -261,8 +261,10 @@ def test_kernels_compile_for_h200():
     specs.append((_decode_attention_mma_kernel, gluon_ptrs, dict(mma_consts, PDL=True),  # a split call on sm_90
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     s16_ptrs = dict(gluon_ptrs, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
-    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=2),
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=0),
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))  # the engine's launch
+    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=2),
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, mma_consts,  # bf16 query and ring, fp16 scales
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3),  # two blocks in flight
@@ -295,15 +297,6 @@ def test_kernels_compile_for_h200():
     specs.append((_decode_attention_mma_kernel, fp16_ptrs,
                   dict(mma_consts, QG=1, BITS=4, V_COPY=1, stride_vc_t=16, RING_PASS=True),
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
-    from kernels.decode_attention.kernel_mma_persistent import _decode_attention_mma_persistent_kernel as persistent
-
-    p_ptrs = dict(counter_ptr="*i32", batch="i32", heads="i32")
-    p_aligned = [a for a in persistent.arg_names if a.endswith("_ptr") or a.startswith("stride_")]
-    for ptrs, consts in ((dict(s16_ptrs, **p_ptrs), dict(gluon_consts, QG=1, SPLIT=False)),  # version 28
-                         (dict(gluon_ptrs, **p_ptrs), dict(gluon_consts, QG=4, PDL=True)),
-                         (dict(fp16_ptrs, **p_ptrs), dict(gluon_consts, QG=8, BITS=4, stride_vc_t=16, GROUP=64,
-                                                          stride_vs_t=2))):
-        specs.append((persistent, ptrs, consts, dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=p_aligned)))
     from kernels.decode_attention.kernel_ring import _ring_partial_kernel
 
     for dtype, qg in (("bf16", 1), ("fp16", 4)):  # the ring pass

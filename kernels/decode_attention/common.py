@@ -229,28 +229,24 @@ def decode_grid(batch: int, heads: int, num_splits: int) -> tuple[tuple[int, int
 
 
 def launch_kivi(kernel, q: torch.Tensor, caches: tuple, out: torch.Tensor, sm_scale: float, num_splits: int,
-                workspace: tuple | None = None, before_merge=None, grid: tuple | None = None,
-                **meta) -> torch.Tensor:
+                workspace: tuple | None = None, before_merge=None, **meta) -> torch.Tensor:
     """One launch of a KIVI decode-attention kernel on decode_grid's grid ((KV heads, B, num_splits) by
     default) with the arguments all of them take, then the split merge. caches: (k_codes, k_scale, k_zero,
     v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens); meta: the kernel's own constexprs and
     launch options. workspace: (ws_o [B, Hq, S, D], ws_lse [B, Hq, S]) fp32 with S > num_splits, whose first
     num_splits splits the kernel writes (the others written elsewhere), merged whole after before_merge() (a
-    stream join, say: the merge is then not launched as a programmatic dependent). grid: a grid of the kernel's own
-    (a persistent kernel's, which takes no ROW_MAJOR) instead of decode_grid's."""
+    stream join, say: the merge is then not launched as a programmatic dependent)."""
     k_codes, k_scale, _, v_codes, v_scale, _, k_res, _, block_table, _, _ = caches
     if workspace is None:
         o, lse, o_strides, workspace = output_args(out, num_splits)
     else:  # partials into the first num_splits splits of a given workspace, merged with the rest after
         o, lse = workspace
         o_strides = workspace_strides(o, lse)
-    if grid is None:
-        grid, row_major = decode_grid(q.shape[0], k_codes.shape[1], num_splits)
-        meta["ROW_MAJOR"] = row_major
+    grid, row_major = decode_grid(q.shape[0], k_codes.shape[1], num_splits)
     kernel[grid](
         q, *caches, o, lse, qk_scale=float(sm_scale) * math.log2(math.e), num_splits=num_splits,
         **input_strides(q, k_codes, k_scale, v_codes, v_scale, k_res, block_table), **o_strides,
-        SPLIT=workspace is not None, **meta,
+        SPLIT=workspace is not None, ROW_MAJOR=row_major, **meta,
     )
     if before_merge is not None:  # e.g. a join with another stream's writes: then no programmatic launch
         before_merge()

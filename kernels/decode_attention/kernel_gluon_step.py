@@ -17,15 +17,8 @@ def _work_range(seq_lens_ptr, slots_ptr, b, split, num_splits, GROUP: gl.constex
     RING_UNITS 0 one unit per BLOCK_N / 4 slots (its 16-bit bytes per slot are ~5x a packed token's), the split
     holding the ring's first unit reading the whole ring. Without WITH_RING (the ring read by a pass of its own)
     the units are the packed blocks alone."""
-    return _row_range(gl.load(seq_lens_ptr + b), gl.load(slots_ptr + b), split, num_splits, GROUP, RESIDUAL,
-                      BLOCK_N, RING_UNITS, WITH_RING)
-
-
-@gluon.jit
-def _row_range(seq_len, slot, split, num_splits, GROUP: gl.constexpr, RESIDUAL: gl.constexpr,
-               BLOCK_N: gl.constexpr, RING_UNITS: gl.constexpr = 0, WITH_RING: gl.constexpr = True):
-    """_work_range from a row's loaded seq_len and slot."""
-    slot = slot.to(gl.int64)
+    seq_len = gl.load(seq_lens_ptr + b)
+    slot = gl.load(slots_ptr + b).to(gl.int64)
     nq = gl.cdiv(gl.maximum(seq_len - RESIDUAL, 0), GROUP) * GROUP
     n_packed = gl.cdiv(nq, BLOCK_N)
     n_ring = gl.minimum(seq_len, RESIDUAL)

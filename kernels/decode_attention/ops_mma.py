@@ -16,9 +16,8 @@ from .ops_ring import launch_ring_partial
 
 try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; it has no interpreter mode
     from .kernel_mma import _decode_attention_mma_kernel
-    from .kernel_mma_persistent import _decode_attention_mma_persistent_kernel
 except ImportError:  # pragma: no cover - older triton
-    _decode_attention_mma_kernel = _decode_attention_mma_persistent_kernel = None
+    _decode_attention_mma_kernel = None
 
 _OP = "decode_attention"
 # kernels-20261129-h200-sweep-mma5.json (version 14d, ring loads vectorized; bf16): 32/8 heads 2.3-2.7x the
@@ -58,6 +57,9 @@ MMA_STEP_BLOCKS: int | None = None
 # packed blocks a program may read at least for step_blocks 2, (unsplit, split): of the block table's capacity
 # (the launcher's max_tokens, which sets the split count too; the rows' own lengths are on the GPU)
 MMA_PAIRS_MIN_BLOCKS = (16, 64)
+# where a table's capacity allows two blocks a step: 2 (every program), or 0 (version 28: each program by the blocks it
+# reads, two a step from PAIRS_MIN = MMA_PAIRS_MIN_BLOCKS on, one below; short rows of a long table take one)
+MMA_PAIRS = 0
 # version 27: the full-precision ring read by programs of its own (kernel_ring.py) on a side stream, beside the
 # tensor-core kernel over the packed blocks, as one more split of the merge: the one-warp programs' 212 registers
 # (8 an SM) held the ring at 0.85 of copy where the paged bf16 kernel reads the same bytes at 1.02, and the side
@@ -69,9 +71,6 @@ MMA_PAIRS_MIN_BLOCKS = (16, 64)
 # 2-30%; at 4 bits, whose kernel reads its ring at 0.90 of copy, it was 3% slower on a's and ring-only rows
 MMA_RING_PASS = True
 MMA_RING_PASS_BITS = (2,)
-# version 28: persistent programs (kernel_mma_persistent.py), 8 an SM, that take (row, KV head, split) items from
-# an atomic counter, the next item's query and first block in flight while the current item ends. Not measured yet
-MMA_PERSISTENT = False
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
@@ -106,9 +105,9 @@ def check_value_copy(value_copy: str | None) -> None:
 
 
 def check_step_blocks(step_blocks: int | None) -> None:
-    """A clear error for a step_blocks that is not None, 1 or 2, on every path of the call."""
-    if step_blocks is not None:
-        C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
+    """A clear error for a step_blocks that is not None, 0, 1 or 2, on every path of the call."""
+    if step_blocks is not None and (not isinstance(step_blocks, int) or step_blocks not in (0, 1, 2)):
+        raise ValueError(f"{_OP}: step_blocks must be 0, 1 or 2, got {step_blocks!r}")
 
 
 def mma_resident(maxnreg: int) -> int | None:
@@ -118,14 +117,15 @@ def mma_resident(maxnreg: int) -> int | None:
 
 
 def mma_step_blocks(bits: int, num_splits: int, max_tokens: int, residual_length: int) -> int:
-    """The default blocks a step: MMA_STEP_BLOCKS when set, else 2 for 2-bit caches where a program may read at
-    least MMA_PAIRS_MIN_BLOCKS packed blocks (max_tokens, the block table's capacity, over the splits; unsplit or
-    split), 1 otherwise. In the engine the capacity follows max_model_len, so short rows of a long-capacity
-    table take two blocks a step too (as they did in engine-20261130-h200-v25.json)."""
+    """The default blocks a step: MMA_STEP_BLOCKS when set, else MMA_PAIRS for 2-bit caches where a program may
+    read at least MMA_PAIRS_MIN_BLOCKS packed blocks (max_tokens, the block table's capacity, over the splits;
+    unsplit or split), 1 otherwise. In the engine the capacity follows max_model_len, so with MMA_PAIRS 2 short
+    rows of a long-capacity table took two blocks a step too (engine-20261130-h200-v25.json); with 0 each program
+    chooses by the blocks it reads."""
     if MMA_STEP_BLOCKS is not None:
         return MMA_STEP_BLOCKS
     blocks_per_program = max(max_tokens - residual_length, 0) // 64 / num_splits
-    return 2 if bits == 2 and blocks_per_program >= MMA_PAIRS_MIN_BLOCKS[num_splits > 1] else 1
+    return MMA_PAIRS if bits == 2 and blocks_per_program >= MMA_PAIRS_MIN_BLOCKS[num_splits > 1] else 1
 
 
 def mma_ring_pass(bits: int, rows: int, num_splits: int | None, maxnreg: int, device: torch.device) -> bool:
@@ -142,7 +142,7 @@ def mma_ring_pass(bits: int, rows: int, num_splits: int | None, maxnreg: int, de
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
                maxnreg=None, stages=None, value_copy=None, ring_units=None, step_blocks=None,
-               ring_pass=None, persistent=None) -> torch.Tensor:
+               ring_pass=None) -> torch.Tensor:
     """The tensor-core kernel: grid common.decode_grid of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
@@ -150,11 +150,10 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     value_copy: how value words reach shared memory, one of VALUE_COPIES (MMA_VALUE_COPY by default;
     "transposed" where a token's 4 * bits words are not contiguous).
     ring_units: the work units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default;
-    0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2
-    (mma_step_blocks by default; 2 takes 2 stages of each kind a step). ring_pass: the ring read by programs of
-    its own on a side stream (ops_ring), a split of its own in the merge (mma_ring_pass by default; the call is
-    then unsplit unless num_splits says otherwise). persistent: persistent programs over the call's (row, KV head,
-    split) items (kernel_mma_persistent.py; MMA_PERSISTENT by default; 2 stages, one block a step, no ring pass)."""
+    0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2, or 0 for each
+    program by its blocks (mma_step_blocks by default; 2 and 0 take 2 stages of each kind a step). ring_pass: the
+    ring read by programs of its own on a side stream (ops_ring), a split of its own in the merge (mma_ring_pass
+    by default; the call is then unsplit unless num_splits says otherwise)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -172,23 +171,20 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     if not isinstance(ring_units, int) or not 0 <= ring_units <= 8:
         raise ValueError(f"{_OP}: ring_units must be an int in [0, 8], got {ring_units!r}")
     check_ring_pass(ring_pass)
-    check_persistent(persistent, ring_pass, stages, step_blocks)
-    persistent = MMA_PERSISTENT and not ring_pass if persistent is None else persistent
     if ring_pass is None:
-        ring_pass = not persistent and mma_ring_pass(bits, batch * kv_heads, num_splits, maxnreg, q.device)
+        ring_pass = mma_ring_pass(bits, batch * kv_heads, num_splits, maxnreg, q.device)
     if ring_pass and num_splits is None:
         num_splits = 1
     num_splits = C.one_warp_launch(_OP, maxnreg, num_splits, batch * kv_heads, max_tokens, q.device, MMA_PER_SM,
                                    resident=mma_resident(maxnreg))
     if step_blocks is None:
-        step_blocks = 1 if persistent else mma_step_blocks(bits, num_splits, max_tokens, residual_length)
+        step_blocks = mma_step_blocks(bits, num_splits, max_tokens, residual_length)
     check_step_blocks(step_blocks)  # a given value, or MMA_STEP_BLOCKS when set
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     meta = dict(QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
                 V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits, STEP_BLOCKS=step_blocks,
+                PAIRS_MIN=MMA_PAIRS_MIN_BLOCKS[num_splits > 1],
                 num_warps=1, maxnreg=maxnreg)
-    if persistent:
-        return _launch_persistent(q, caches, out, sm_scale, num_splits, meta, mma_resident(maxnreg) or MMA_PER_SM)
     if ring_pass:
         return _launch_with_ring_pass(q, caches, out, sm_scale, group_size, residual_length, num_splits, **meta)
     return C.launch_kivi(_decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits, RING_PASS=False,
@@ -199,34 +195,6 @@ def check_ring_pass(ring_pass: bool | None) -> None:
     """A clear error for a ring_pass that is not None, True or False, on every path of the call."""
     if ring_pass is not None and not isinstance(ring_pass, bool):
         raise ValueError(f"{_OP}: ring_pass must be None, True or False, got {ring_pass!r}")
-
-
-def check_persistent(persistent: bool | None, ring_pass: bool | None = None, stages: int | None = None,
-                     step_blocks: int | None = None) -> None:
-    """A clear error for a persistent that is not None, True or False, or True beside knobs it does not take (the
-    ring pass, 3 stages, two blocks a step), on every path of the call."""
-    if persistent is not None and not isinstance(persistent, bool):
-        raise ValueError(f"{_OP}: persistent must be None, True or False, got {persistent!r}")
-    if persistent and (ring_pass or stages not in (None, 2) or step_blocks not in (None, 1)):
-        raise ValueError(f"{_OP}: persistent programs take 2 stages, one block a step and no ring pass; got "
-                         f"ring_pass={ring_pass}, num_stages={stages}, step_blocks={step_blocks}")
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _launch_persistent(q, caches, out, sm_scale, num_splits, meta, per_sm):
-    """kernel_mma_persistent.py over the call's batch x KV heads x num_splits items: as many programs as the SMs
-    hold (per_sm each), at most one an item; the item counter (zero between calls: the kernel's last program
-    resets it) is one per device, so calls on one device run one after another (one stream, or a CUDA graph)."""
-    batch, kv_heads = q.shape[0], caches[0].shape[1]
-    if q.device not in _COUNTERS:
-        _COUNTERS[q.device] = torch.zeros(2, dtype=torch.int32, device=q.device)
-    items = batch * kv_heads * num_splits
-    meta = {k: v for k, v in meta.items() if k not in ("STAGES", "STEP_BLOCKS")}
-    return C.launch_kivi(_decode_attention_mma_persistent_kernel, q, caches, out, sm_scale, num_splits,
-                         grid=(min(items, per_sm * C.num_sms(q.device)),), counter_ptr=_COUNTERS[q.device],
-                         batch=batch, heads=kv_heads, PDL=num_splits > 1 and C.programmatic_launch(q.device), **meta)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
