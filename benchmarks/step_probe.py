@@ -1,12 +1,11 @@
-"""Version 28's choice of blocks a step per program against the table-capacity rule (GPU).
+"""Blocks an online-softmax step on engine-like rows: the launcher's rule against one block a step (GPU).
 
-Two blocks an online-softmax step (versions 25-26) were chosen by the block table's capacity: in the engine, whose
-tables hold max_model_len, short rows took two a step as well, where one is faster (6% on unsplit rows of 6 blocks,
-kernel_notes). With step_blocks 0 (ops_mma.MMA_PAIRS = 0, the default now) each program takes two a step where it
-reads PAIRS_MIN packed blocks or more, one below. This probe times, on rows as the engine holds them (longest
-first, in a table 16 pages wide or more) and on issue 5's uniform shapes, each call three ways: "capacity"
-(MMA_PAIRS = 2, the rule before), "per-program" (the launcher's default now) and "one-block"; the split count is
-the launcher's own:
+Two blocks a step (versions 25-26) are chosen by the block table's capacity (ops_mma.mma_step_blocks): in the
+engine, whose tables hold max_model_len, short rows take two a step as well, where one is faster. This probe times,
+on rows as the engine holds them (longest first, in a table 16 pages wide or more) and on issue 5's uniform shapes,
+each call the launcher's way ("default") and at one block a step ("one-block"); the split count is the launcher's
+own. (step-20261201-h200.json also has a "capacity" and a "per-program" variant: 0cd35a0's tree, where step_blocks
+0 chose per program inside the kernel; "capacity" there is "default" here.)
 
     python3 benchmarks/step_probe.py [--shapes a:256:161:497:32:32 ...] [--bits 2] [--out probe.json]
 
@@ -33,23 +32,19 @@ DEFAULT_SHAPES = ["a:256:161:497:32:32", "b:150:1153:1278:32:32", "d:125:1040:20
                   "b8:256:1153:1278:32:8", "e1:96:257:900:32:32", "e2:96:900:2300:32:32", "gqa:200:512:4096:32:8",
                   "u8:8:4096:4096:32:32", "u8g:8:4096:4096:32:8", "u64:64:4096:4096:32:32", "u64g:64:4096:4096:32:8",
                   "u256g:256:4096:4096:32:8", "u8l:8:32768:32768:32:32", "u8lg:8:32768:32768:32:8"]
-VARIANTS = {"capacity": {}, "per-program": {}, "one-block": dict(step_blocks=1)}
+VARIANTS = {"default": {}, "one-block": dict(step_blocks=1)}
 
 
 def run_variant(bits: int, shape: str, variant: str, copy_gbps: float, l2: int) -> dict:
     from row_order_probe import kivi_case, measure, parse_shape
 
-    from kernels.decode_attention import ops_mma
-
     name, B, Hq, H, lengths = parse_shape(shape)
-    ops_mma.MMA_PAIRS = 2 if variant == "capacity" else 0  # read at each launch
     calls, check, nbytes = kivi_case(lengths, Hq, H, bits, l2, mma=True, **VARIANTS[variant])
     rec = measure(dict(system=f"kivi-{bits}", shape=name, batch=B, q_heads=Hq, kv_heads=H, variant=variant,
                        lengths=[min(lengths), round(sum(lengths) / B, 1), max(lengths)], bytes=nbytes),
                   calls, check, "longest-first", copy_gbps)
     print(f"kivi-{bits} {name:6s} B={B} {Hq}/{H} lengths {rec['lengths']} {variant:10s} {rec.get('us')} us "
           f"({rec.get('frac_of_copy')} of copy) check {rec['check_rel_l2']:.1e}", flush=True)
-    ops_mma.MMA_PAIRS = 0
     torch.cuda.empty_cache()
     return rec
 

@@ -261,10 +261,8 @@ def test_kernels_compile_for_h200():
     specs.append((_decode_attention_mma_kernel, gluon_ptrs, dict(mma_consts, PDL=True),  # a split call on sm_90
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     s16_ptrs = dict(gluon_ptrs, ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16")
-    specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=0),
-                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))  # the engine's launch
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, ROW_MAJOR=True, STEP_BLOCKS=2),
-                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
+                  dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))  # the engine's launch
     specs.append((_decode_attention_mma_kernel, s16_ptrs, mma_consts,  # bf16 query and ring, fp16 scales
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
     specs.append((_decode_attention_mma_kernel, s16_ptrs, dict(mma_consts, STAGES=3),  # two blocks in flight

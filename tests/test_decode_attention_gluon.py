@@ -180,21 +180,6 @@ def test_mma_kernel_with_two_blocks_a_step_matches_reference(case: Case, num_sta
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
-@pytest.mark.parametrize("pairs_min", [1, 5, 16])
-@pytest.mark.parametrize("case", [
-    Case((3000, 161, 1150, 1300, 1280, 0, 2100, 700, 1000, 1100), 8, 2, 128, 2, 2, dtype=torch.bfloat16),
-    Case((20000, 1000, 400, 5000), 4, 1, 128, 2, 2, dtype=torch.float16, scale_dtype=torch.float16, num_splits=3),
-    MMA_CASES[1], MMA_CASES[4], MMA4_CASES[1]], ids=lambda c: c.id)
-def test_mma_kernel_choosing_blocks_a_step_per_program_matches_reference(monkeypatch, case: Case, pairs_min: int):
-    """step_blocks=0 (version 28): each program two blocks a step where it reads pairs_min packed blocks or more
-    (PAIRS_MIN), one below, out of one allocation of stages; rows on both sides of the line in one call, splits."""
-    from kernels.decode_attention import ops_mma
-
-    monkeypatch.setattr(ops_mma, "MMA_PAIRS_MIN_BLOCKS", (pairs_min, pairs_min))
-    check_against_reference(case, TOL[case.dtype], mma=True, step_blocks=0)
-
-
-@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
 @pytest.mark.parametrize("case", [MMA_CASES[0], MMA4_CASES[0]], ids=lambda c: c.id)
 def test_mma_kernel_with_two_blocks_a_step_and_the_transposed_copy(case: Case):
     """step_blocks=2 with the 4-byte transposed value copies (4 buffers a stage, indexed 4 stage + g)."""

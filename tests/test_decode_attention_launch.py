@@ -97,17 +97,13 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     with pytest.raises(ValueError, match="num_stages"):
         ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, stages=4)
     assert kw["STEP_BLOCKS"] == 1  # the default on a split call of 16 blocks a row: one block a step
-    assert kw["PAIRS_MIN"] == ops_mma.MMA_PAIRS_MIN_BLOCKS[1]
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152)
-    assert calls[-1][2]["STEP_BLOCKS"] == ops_mma.MMA_PAIRS  # ... and two (where programs' rows allow) unsplit
-    assert calls[-1][2]["PAIRS_MIN"] == ops_mma.MMA_PAIRS_MIN_BLOCKS[0]
-    ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, step_blocks=0)
-    assert calls[-1][2]["STEP_BLOCKS"] == 0
+    assert calls[-1][2]["STEP_BLOCKS"] == 2  # ... and two on an unsplit 2-bit call
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, step_blocks=1)
     assert calls[-1][2]["STEP_BLOCKS"] == 1
     ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 3, 1152, step_blocks=2)
     assert calls[-1][2]["STEP_BLOCKS"] == 2
-    for bad in (-1, 3, 2.0):
+    for bad in (0, 3, 2.0):
         with pytest.raises(ValueError, match="step_blocks"):
             ops_mma.launch_mma(q, *args, out, 128 ** -0.5, 32, 128, 128, 1, 1152, step_blocks=bad)
     assert pos[0] is q and pos[12] is not out  # with splits the kernel writes the fp32 workspace
@@ -116,9 +112,8 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
 
 
 def test_mma_step_blocks_default(monkeypatch):
-    """MMA_PAIRS (two blocks a step, or each program's choice) at 2 bits where a program may read at least
-    MMA_PAIRS_MIN_BLOCKS packed blocks (unsplit, split); one otherwise, at 4 bits, and wherever MMA_STEP_BLOCKS
-    says so."""
+    """Two blocks a step at 2 bits where a program reads at least MMA_PAIRS_MIN_BLOCKS packed blocks (unsplit,
+    split); one otherwise, at 4 bits, and wherever MMA_STEP_BLOCKS says so."""
     from kernels.decode_attention import ops_mma
 
     unsplit, split = ops_mma.MMA_PAIRS_MIN_BLOCKS
@@ -127,11 +122,9 @@ def test_mma_step_blocks_default(monkeypatch):
     print(f"splits={splits} residual={residual}")  # shown with a failure
     row = 64 * unsplit + residual  # max_tokens whose packed blocks just reach the unsplit threshold
     long_row = 64 * split * splits + residual  # ... and fill the split programs just enough
-    pairs = random.choice([0, 2])
-    monkeypatch.setattr(ops_mma, "MMA_PAIRS", pairs)
-    assert ops_mma.mma_step_blocks(2, 1, row, residual) == pairs
+    assert ops_mma.mma_step_blocks(2, 1, row, residual) == 2
     assert ops_mma.mma_step_blocks(2, 1, row - 64, residual) == 1
-    assert ops_mma.mma_step_blocks(2, splits, long_row, residual) == pairs
+    assert ops_mma.mma_step_blocks(2, splits, long_row, residual) == 2
     assert ops_mma.mma_step_blocks(2, splits, long_row - 64, residual) == 1
     assert ops_mma.mma_step_blocks(4, 1, long_row, residual) == 1
     assert ops_mma.mma_step_blocks(4, splits, long_row, residual) == 1

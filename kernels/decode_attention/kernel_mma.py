@@ -49,7 +49,6 @@ from .kernel_mma_frag import (
     _ring_values,
 )
 from .kernel_mma_loop import _online_softmax, _packed_loop, _packed_loop_pairs
-from .kernel_mma_stage import _allocate_stages
 
 
 @gluon.jit
@@ -99,19 +98,18 @@ def _decode_attention_mma_kernel(
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2, BITS: gl.constexpr = 2,
     PDL: gl.constexpr = False, STEP_BLOCKS: gl.constexpr = 1, ROW_MAJOR: gl.constexpr = False,
-    RING_PASS: gl.constexpr = False, PAIRS_MIN: gl.constexpr = 16,
+    RING_PASS: gl.constexpr = False,
 ):
     """grid (B, H, num_splits), or (H, B, num_splits) with ROW_MAJOR: the QG query heads of KV head h of row b,
     one split of the keys. Work as in
     kernel_gluon.py (packed 64-token blocks, then the ring in 32-slot chunks, _ring_share); output acc / l in o_ptr's
     dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp. PDL (sm_90 and newer, split calls): let the
     merge, a programmatic dependent, launch at once (common.merge_splits). STEP_BLOCKS: packed 64-token blocks per
-    online-softmax step (1, or 2: kernel_mma_loop._packed_loop_pairs; 0: two where the program reads PAIRS_MIN
-    blocks or more, else one, version 28). RING_PASS: the ring is read elsewhere (the
+    online-softmax step (1, or 2: kernel_mma_loop._packed_loop_pairs). RING_PASS: the ring is read elsewhere (the
     ring pass of kernel_ring.py, a split of its own), so the splits share out the packed blocks alone."""
     gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
     gl.static_assert(BITS == 2 or BITS == 4)
-    gl.static_assert(STEP_BLOCKS == 0 or STEP_BLOCKS == 1 or STEP_BLOCKS == 2)
+    gl.static_assert(STEP_BLOCKS == 1 or STEP_BLOCKS == 2)
     # grid (H, B, num_splits) with ROW_MAJOR: programs start row by row (common.decode_grid); else (B, H, num_splits)
     b = gl.program_id(1 if ROW_MAJOR else 0).to(gl.int64)
     h = gl.program_id(0 if ROW_MAJOR else 1).to(gl.int64)
@@ -138,21 +136,18 @@ def _decode_attention_mma_kernel(
     acc3 = acc0
     z = gl.zeros([16, 8], gl.float32, _MMA)
     # stage 2: packed blocks through the block table (kernel_mma_loop.py: STAGES cp.async stages, or STAGES pairs
-    # of them two blocks a step; with STEP_BLOCKS 0 two where this program reads PAIRS_MIN blocks or more)
+    # of them with STEP_BLOCKS 2)
     bt_row = block_table_ptr + slot * stride_bt_s
     n_end = gl.minimum(hi, n_packed)
     ptrs = (kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr)
     strides = (stride_kc_n, stride_kc_h, stride_ks_n, stride_ks_h, stride_vc_n, stride_vc_h, stride_vs_n, stride_vs_h)
-    stages = _allocate_stages(ks_ptr.dtype.element_ty, 128 // GROUP, STAGES * (1 if STEP_BLOCKS == 1 else 2), V_COPY,
-                              BITS)
-    pairs = (STEP_BLOCKS == 2) | ((STEP_BLOCKS == 0) & (n_end - lo >= PAIRS_MIN))
-    if lo < n_end and STEP_BLOCKS != 1 and pairs:
+    if lo < n_end and STEP_BLOCKS == 2:
         m_i, l_i, acc0, acc1, acc2, acc3, z = _packed_loop_pairs(
-            stages, q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
+            q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
             stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY, BITS)
-    elif lo < n_end and STEP_BLOCKS != 2:
+    elif lo < n_end:
         m_i, l_i, acc0, acc1, acc2, acc3, z = _packed_loop(
-            stages, q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
+            q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
             stride_kc_w, stride_ks_g, stride_vc_t, stride_vs_t, GROUP, PAGE, STAGES, V_COPY, BITS)
     # stage 3: the full-precision ring, 32 slots at a time, into its own sums (with RING_PASS: none here)
     r0 = gl.zeros([32, 8], gl.float32, _MMA)

@@ -33,7 +33,7 @@ from .kernel_mma_frag import (
     _value_zeros,
 )
 from .kernel_mma_frag4 import _key_codes4, _value_codes4
-from .kernel_mma_stage import _issue_block, _value_words
+from .kernel_mma_stage import _allocate_stages, _issue_block, _value_words
 
 
 @gluon.jit
@@ -153,15 +153,15 @@ def _issue(stages, stage, blk, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w:
 
 
 @gluon.jit
-def _packed_loop(stages, q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs,
-                 strides, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
+def _packed_loop(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs, strides,
+                 stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
                  stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
                  V_COPY: gl.constexpr, BITS: gl.constexpr):
     """Packed blocks lo .. n_end - 1 (n_end > lo) of KV head h: (m_i, l_i, acc0, acc1, acc2, acc3, z) after them.
-    stages: _allocate_stages' buffers of at least STAGES stages (the first STAGES are used); ptrs: (kc, ks, kz,
-    vc, vs, vz) pointers; strides: their runtime page and head strides."""
+    ptrs: (kc, ks, kz, vc, vs, vz) pointers; strides: their runtime page and head strides."""
     gl.static_assert(STAGES == 2 or STAGES == 3)
     NG: gl.constexpr = 128 // GROUP
+    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, STAGES, V_COPY, BITS)
     kw, ks, kz, vw, vs, vz = stages
     for pre in gl.static_range(STAGES - 1):
         _issue(stages, pre, lo + pre, ptrs, strides, n_end, nq, bt_row, h, stride_kc_w, stride_ks_g, stride_vc_t,
@@ -192,17 +192,18 @@ def _block_step(q8, q_a, qk_scale, stages, st, n_valid, m_i, l_i, acc0, acc1, ac
 
 
 @gluon.jit
-def _packed_loop_pairs(stages, q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h,
-                       ptrs, strides, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
+def _packed_loop_pairs(q8, q_a, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z, lo, n_end, nq, bt_row, h, ptrs,
+                       strides, stride_kc_w: gl.constexpr, stride_ks_g: gl.constexpr, stride_vc_t: gl.constexpr,
                        stride_vs_t: gl.constexpr, GROUP: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
                        V_COPY: gl.constexpr, BITS: gl.constexpr):
     """_packed_loop two blocks a step (version 25): blocks blk, blk + 1 share one online-softmax step and one
     rescale; 2 STAGES stages, pairs blk + 2 .. in flight. An odd count's last block is the first of a half
     pair (version 26): its second block, n_end, is masked (scores -inf; scales and zeros arrive as zeros, as
-    for every block issued past n_end), so the loop's code is the whole of it. stages: 2 STAGES stages."""
+    for every block issued past n_end), so the loop's code is the whole of it."""
     gl.static_assert(STAGES == 2 or STAGES == 3)
     NG: gl.constexpr = 128 // GROUP
     NBUF: gl.constexpr = 2 * STAGES
+    stages = _allocate_stages(ptrs[1].dtype.element_ty, NG, NBUF, V_COPY, BITS)
     kw, ks, kz, vw, vs, vz = stages
     # tokens past this program's last block count as unpacked: masked scores, scales and zeros read as zeros
     nq = gl.minimum(nq, n_end * 64)

@@ -57,9 +57,6 @@ MMA_STEP_BLOCKS: int | None = None
 # packed blocks a program may read at least for step_blocks 2, (unsplit, split): of the block table's capacity
 # (the launcher's max_tokens, which sets the split count too; the rows' own lengths are on the GPU)
 MMA_PAIRS_MIN_BLOCKS = (16, 64)
-# where a table's capacity allows two blocks a step: 2 (every program), or 0 (version 28: each program by the blocks it
-# reads, two a step from PAIRS_MIN = MMA_PAIRS_MIN_BLOCKS on, one below; short rows of a long table take one)
-MMA_PAIRS = 0
 # version 27: the full-precision ring read by programs of its own (kernel_ring.py) on a side stream, beside the
 # tensor-core kernel over the packed blocks, as one more split of the merge: the one-warp programs' 212 registers
 # (8 an SM) held the ring at 0.85 of copy where the paged bf16 kernel reads the same bytes at 1.02, and the side
@@ -105,9 +102,9 @@ def check_value_copy(value_copy: str | None) -> None:
 
 
 def check_step_blocks(step_blocks: int | None) -> None:
-    """A clear error for a step_blocks that is not None, 0, 1 or 2, on every path of the call."""
-    if step_blocks is not None and (not isinstance(step_blocks, int) or step_blocks not in (0, 1, 2)):
-        raise ValueError(f"{_OP}: step_blocks must be 0, 1 or 2, got {step_blocks!r}")
+    """A clear error for a step_blocks that is not None, 1 or 2, on every path of the call."""
+    if step_blocks is not None:
+        C.check_int(_OP, "step_blocks", step_blocks, (1, 2))
 
 
 def mma_resident(maxnreg: int) -> int | None:
@@ -117,15 +114,14 @@ def mma_resident(maxnreg: int) -> int | None:
 
 
 def mma_step_blocks(bits: int, num_splits: int, max_tokens: int, residual_length: int) -> int:
-    """The default blocks a step: MMA_STEP_BLOCKS when set, else MMA_PAIRS for 2-bit caches where a program may
-    read at least MMA_PAIRS_MIN_BLOCKS packed blocks (max_tokens, the block table's capacity, over the splits;
-    unsplit or split), 1 otherwise. In the engine the capacity follows max_model_len, so with MMA_PAIRS 2 short
-    rows of a long-capacity table took two blocks a step too (engine-20261130-h200-v25.json); with 0 each program
-    chooses by the blocks it reads."""
+    """The default blocks a step: MMA_STEP_BLOCKS when set, else 2 for 2-bit caches where a program may read at
+    least MMA_PAIRS_MIN_BLOCKS packed blocks (max_tokens, the block table's capacity, over the splits; unsplit or
+    split), 1 otherwise. In the engine the capacity follows max_model_len, so short rows of a long-capacity
+    table take two blocks a step too (as they did in engine-20261130-h200-v25.json)."""
     if MMA_STEP_BLOCKS is not None:
         return MMA_STEP_BLOCKS
     blocks_per_program = max(max_tokens - residual_length, 0) // 64 / num_splits
-    return MMA_PAIRS if bits == 2 and blocks_per_program >= MMA_PAIRS_MIN_BLOCKS[num_splits > 1] else 1
+    return 2 if bits == 2 and blocks_per_program >= MMA_PAIRS_MIN_BLOCKS[num_splits > 1] else 1
 
 
 def mma_ring_pass(bits: int, rows: int, num_splits: int | None, maxnreg: int, device: torch.device) -> bool:
@@ -150,10 +146,10 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     value_copy: how value words reach shared memory, one of VALUE_COPIES (MMA_VALUE_COPY by default;
     "transposed" where a token's 4 * bits words are not contiguous).
     ring_units: the work units of a 32-slot ring chunk in the split count's share-out (MMA_RING_UNITS by default;
-    0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2, or 0 for each
-    program by its blocks (mma_step_blocks by default; 2 and 0 take 2 stages of each kind a step). ring_pass: the
-    ring read by programs of its own on a side stream (ops_ring), a split of its own in the merge (mma_ring_pass
-    by default; the call is then unsplit unless num_splits says otherwise)."""
+    0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2
+    (mma_step_blocks by default; 2 takes 2 stages of each kind a step). ring_pass: the ring read by programs of
+    its own on a side stream (ops_ring), a split of its own in the merge (mma_ring_pass by default; the call is
+    then unsplit unless num_splits says otherwise)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -183,7 +179,6 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     meta = dict(QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
                 V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits, STEP_BLOCKS=step_blocks,
-                PAIRS_MIN=MMA_PAIRS_MIN_BLOCKS[num_splits > 1],
                 num_warps=1, maxnreg=maxnreg)
     if ring_pass:
         return _launch_with_ring_pass(q, caches, out, sm_scale, group_size, residual_length, num_splits, **meta)
