@@ -67,3 +67,55 @@ def test_steps_in_wider_graphs_keep_the_tokens(monkeypatch):
         routes.append(dict(engine.runner.route))
     assert routes[0] == {1: 1, 2: 2, 3: 3} and routes[1] == {1: 64, 2: 64, 3: 64}
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("short_tokens", [40, 64])
+def test_decode_over_the_short_table_keeps_the_tokens(tiny, monkeypatch, short_tokens):
+    """Steps whose rows all fit in SHORT_TABLE_TOKENS see a view of the block table's first pages (the launchers
+    size their work by its width), the others the whole table: the same greedy tokens as with no short table
+    (2-bit KIVI, reference kernels: the view changes no result), both kinds of step taken, and a short step's
+    longest row inside the view."""
+    from pipeline.actors.engine import EngineConfig, LLMEngine, kv_cache, model_runner
+    from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
+
+    reqs = requests([5, 40, 17, 33, 61, 9, 26], [30, 12, 45, 20, 8, 50, 3], seed=random.randrange(2**31))
+    config = EngineConfig(kivi=SMALL_KIVI, max_batch_size=3, page_size=SMALL_KIVI.page_size)
+    monkeypatch.setattr(model_runner, "SHORT_TABLE_TOKENS", None)
+    expected = [c.token_ids for c in LLMEngine(tiny, StubTokenizer(), config).generate(reqs)]
+    monkeypatch.setattr(model_runner, "SHORT_TABLE_TOKENS", short_tokens)
+    steps = []
+    set_decode = kv_cache.EngineCache.set_decode
+
+    def recording(self, slots, seq_lens, table_pages=None):
+        steps.append((table_pages, int(seq_lens.max()) if seq_lens.numel() else 0))
+        set_decode(self, slots, seq_lens, table_pages)
+
+    monkeypatch.setattr(kv_cache.EngineCache, "set_decode", recording)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    assert [c.token_ids for c in engine.generate(reqs)] == expected
+    pages = short_tokens // SMALL_KIVI.page_size
+    assert engine.runner.short_pages == pages and engine.runner.short_tokens == pages * SMALL_KIVI.page_size
+    short = [longest for table, longest in steps if table == pages]
+    assert short and any(table is None for table, _ in steps)
+    assert max(short) <= pages * SMALL_KIVI.page_size
+    assert all(longest > pages * SMALL_KIVI.page_size for table, longest in steps if table is None and longest)
+
+
+def test_short_table_only_for_2bit_kivi_caches_wider_than_it(monkeypatch):
+    from types import SimpleNamespace
+
+    from pipeline.actors.engine import model_runner
+
+    def cache(bits, width, page=32, kivi=True):
+        storage = SimpleNamespace(kivi=SimpleNamespace(k_bits=bits, page_size=page)) if kivi else SimpleNamespace()
+        return SimpleNamespace(storage=storage, block_table=torch.zeros(4, width))
+
+    monkeypatch.setattr(model_runner, "SHORT_TABLE_TOKENS", 1000)
+    assert model_runner.short_table_pages(cache(2, 64)) == 31
+    assert model_runner.short_table_pages(cache(2, 64, page=128)) == 7
+    assert model_runner.short_table_pages(cache(2, 31)) == 0  # no wider than the view
+    assert model_runner.short_table_pages(cache(4, 64)) == 0
+    assert model_runner.short_table_pages(cache(2, 64, kivi=False)) == 0  # the full-precision cache
+    assert model_runner.short_table_pages(cache(2, 64, page=2048)) == 0  # not one page
+    monkeypatch.setattr(model_runner, "SHORT_TABLE_TOKENS", None)
+    assert model_runner.short_table_pages(cache(2, 64)) == 0

@@ -64,10 +64,13 @@ class EngineCache(PagedKVCache):
         self.meta = BatchMeta(slots=slots, seq_lens=lengths, block_table=self.block_table)
         self.prefill_rows = (starts, lengths)
 
-    def set_decode(self, slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """slots/seq_lens: [B] int32 (seq_lens include the token being decoded; 0 = padding row)."""
+    def set_decode(self, slots: torch.Tensor, seq_lens: torch.Tensor, table_pages: int | None = None) -> None:
+        """slots/seq_lens: [B] int32 (seq_lens include the token being decoded; 0 = padding row). table_pages: the
+        kernels see the block table's first table_pages pages (a view: the launchers size their work by its
+        width), which must then hold every row (seq_len <= table_pages * page_size)."""
         self.mode = "decode"
-        self.meta = BatchMeta(slots=slots, seq_lens=seq_lens, block_table=self.block_table)
+        table = self.block_table if table_pages is None else self.block_table[:, :table_pages]
+        self.meta = BatchMeta(slots=slots, seq_lens=seq_lens, block_table=table)
 
     def set_chunk(self, slot: torch.Tensor, start: int, end: int, max_len: int) -> None:
         """Prefill tokens [start, end) of one long prompt: they attend to [0, end) in full precision.

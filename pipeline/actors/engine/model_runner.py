@@ -9,6 +9,12 @@ the H200, Llama-2-7B's decode matmuls take 6.2 ms at 238 rows and 5.3 ms at 256)
 runner also captures the multiples of 16 up to the next multiple of 64 past max_batch, times every graph
 with all rows inactive (the width-dependent part of a step), and routes each bucket to the fastest graph at
 least as wide (route_buckets).
+
+Over a 2-bit KIVI cache the runner also captures each width over a narrow view of the block table (short_pages
+pages, SHORT_TABLE_TOKENS tokens) and replays those graphs while every row fits in it: the decode-attention
+launcher sizes its work by the table's width, and over a table as wide as max_model_len it reads short rows two
+blocks an online-softmax step, which is slower on them than one (benchmarks/results/step-20261201-h200.json:
+a's rows 196 -> 175 us a layer).
 """
 
 from __future__ import annotations
@@ -23,6 +29,20 @@ import torch
 from pipeline.actors.engine.kv_cache import EngineCache
 
 log = logging.getLogger(__name__)
+# the widest block table, in tokens, whose 2-bit decode calls take one 64-token block an online-softmax step
+# (ops_mma.mma_step_blocks: under MMA_PAIRS_MIN_BLOCKS[0] = 16 packed blocks unsplit); None: no short graphs
+SHORT_TABLE_TOKENS: int | None = 1000
+
+
+def short_table_pages(cache: EngineCache) -> int:
+    """Pages of the short table view (at most SHORT_TABLE_TOKENS tokens, fewer than the full table), or 0 where
+    no short graphs are captured: caches other than 2-bit KIVI (their kernels do not size steps by the table),
+    tables no wider, or SHORT_TABLE_TOKENS None."""
+    kivi = getattr(cache.storage, "kivi", None)
+    if SHORT_TABLE_TOKENS is None or kivi is None or kivi.k_bits != 2:
+        return 0
+    pages = SHORT_TABLE_TOKENS // kivi.page_size
+    return pages if 0 < pages < cache.block_table.shape[1] else 0
 
 
 def _cache_kwarg(decoder) -> str:
@@ -75,7 +95,11 @@ class ModelRunner:
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
         self.slots, self.seq_lens = int_buf(), int_buf()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # over the short table
+        self.short_pages = short_table_pages(cache)
+        self.short_tokens = self.short_pages * getattr(getattr(cache.storage, "kivi", None), "page_size", 0)
         self.last_batch = 0  # rows of the last decode step (decode_next continues it)
+        self.longest = 0  # the longest row's seq_len at the last decode step
         if use_cuda_graphs:
             self.capture(self.buckets + extra)
             if tune_buckets:
@@ -140,25 +164,27 @@ class ModelRunner:
             self.cache.end_chunks()
         return self.lm_head(hidden[:, -1]).float()
 
-    def _decode_graph_body(self, batch: int) -> torch.Tensor:
-        self.cache.set_decode(self.slots[:batch], self.seq_lens[:batch])
+    def _decode_graph_body(self, batch: int, short: bool = False) -> torch.Tensor:
+        self.cache.set_decode(self.slots[:batch], self.seq_lens[:batch], self.short_pages if short else None)
         hidden = self._forward(input_ids=self.input_ids[:batch], position_ids=self.positions[:batch])
         return self.lm_head(hidden[:, -1])
 
     @torch.inference_mode()
     def capture(self, widths: list[int]) -> None:
-        """Capture one decode graph per width, largest first, sharing one memory pool."""
+        """Capture one decode graph per width (and one over the short table where short_pages), largest first,
+        sharing one memory pool."""
         self.seq_lens.zero_()  # every row inactive while capturing: kernels skip them
         pool = None
         for batch in sorted(widths, reverse=True):
-            self._decode_graph_body(batch)  # warm up (Triton compiles, allocator settles)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: the capture runs in the engine's thread (EngineService) while Ray's threads live on
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = self._decode_graph_body(batch)
-            pool = graph.pool()
-            self.graphs[batch] = (graph, logits)
+            for short in (False, True) if self.short_pages else (False,):
+                self._decode_graph_body(batch, short)  # warm up (Triton compiles, allocator settles)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the capture runs in the engine's thread (EngineService) while Ray's threads live on
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    logits = self._decode_graph_body(batch, short)
+                pool = graph.pool()
+                (self.short_graphs if short else self.graphs)[batch] = (graph, logits)
         torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -170,6 +196,7 @@ class ModelRunner:
         self.positions[:batch, 0].copy_(host[1], non_blocking=True)
         self.slots[:batch].copy_(host[2], non_blocking=True)
         self.seq_lens[:batch].copy_(host[1] + 1, non_blocking=True)
+        self.longest = max(positions) + 1 if positions else 0
         return self._replay(batch)
 
     @torch.inference_mode()
@@ -182,6 +209,7 @@ class ModelRunner:
         self.input_ids[:batch, 0].copy_(tokens)
         self.positions[:batch] += 1
         self.seq_lens[:batch] += 1
+        self.longest += 1
         return self._replay(batch)
 
     @torch.inference_mode()
@@ -204,11 +232,13 @@ class ModelRunner:
         bucket = self.route[next(b for b in self.buckets if b >= batch)]
         self.seq_lens[batch:bucket].zero_()
         self.last_batch = batch
-        if bucket in self.graphs:
-            graph, logits = self.graphs[bucket]
+        short = 0 < self.longest <= self.short_tokens  # every row fits in the short table
+        graphs = self.short_graphs if short else self.graphs
+        if bucket in graphs:
+            graph, logits = graphs[bucket]
             graph.replay()
             return logits[:batch].float()
-        return self._decode_graph_body(bucket)[:batch].float()
+        return self._decode_graph_body(bucket, short)[:batch].float()
 
     @staticmethod
     def to_host(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
