@@ -186,21 +186,51 @@ def check_ours(recorded: dict[str, dict[str, Any] | None], output: str, input_da
                          "give another --output, or move that file")
 
 
+def _remembered(digest: Callable[[str], str | None], known: Mapping[str, Any], settings: dict[str, Any],
+                input_data: Mapping[str, dict[str, Any] | None], computed: dict[str, dict[str, Any]]):
+    """(lookup, remembered): lookup is digest answered from `known` where a shard's entry names this run's input and
+    the file's version now (the file was not written since it was hashed), recording what it reads in `computed`
+    (thread-safe: one key a call); remembered(name) is that entry's SHA-256, or None."""
+    def remembered(name: str) -> str | None:
+        version, entry = (input_data.get(name) or {}).get("version"), known.get(name)
+        if (version is None or not isinstance(entry, dict) or entry.get("version") != version
+                or entry.get("input") != settings.get("input") or not isinstance(entry.get("sha256"), str)):
+            return None
+        return entry["sha256"]
+
+    def lookup(name: str) -> str | None:
+        sha = remembered(name)
+        if sha is None:
+            sha = digest(name)
+            version = (input_data.get(name) or {}).get("version")
+            if sha is not None and version is not None:
+                computed[name] = {"input": settings.get("input"), "version": version, "sha256": sha}
+        return sha
+
+    return lookup, remembered
+
+
 def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | None], output: str,
                  input_data: Mapping[str, dict[str, Any] | None],
-                 digest: Callable[[str], str | None] = lambda name: None) -> None:
+                 digest: Callable[[str], str | None] = lambda name: None,
+                 known: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """ValueError when a complete shard of `output` that this run keeps was made with other settings.
     `input_data`: {name: Shard.data} of this input's shards (--overwrite redoes those; it keeps any other shard), so
     a mismatched shard of another input is reported first: --overwrite would not fix that one. A shard of this input
     whose rows and bytes (or dataset block) differ from those recorded is refused, and so is a file rewritten in
     place with as many rows and bytes: its version (ETag or modification time) changed and its SHA-256 too. One whose
     input path changed (a relative path under another working directory, a folder named as a glob) resumes only where
-    the data are the same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then)."""
+    the data are the same: the dataset's fingerprint, or the file's SHA-256 (`digest(name)`, read only then).
+    known: SHA-256s from earlier runs ({name: {"input", "version", "sha256"}}, OutputStore.digests), taken instead
+    of reading a file whose input path and version are those of its entry. Returns the SHA-256s this call read, in
+    the same form, for the caller to keep (so a touched or moved file is read once, not on every rerun)."""
     mismatched = []
+    computed: dict[str, dict[str, Any]] = {}
+    digest, remembered = _remembered(digest, known or {}, settings, input_data, computed)
     kept = [(name, *_recorded(previous), input_data.get(name)) for name, previous in sorted(recorded.items())
             if previous is not None and previous is not FOREIGN]
     digest = _prefetched(digest, [name for name, previous, was, now in kept
-                                  if _digest_wanted(previous, was, now, settings)])
+                                  if _digest_wanted(previous, was, now, settings) and remembered(name) is None])
     for name, previous, was, now in kept:
         current = dict(settings)
         if was is not None and now is not None:
@@ -217,7 +247,7 @@ def check_resume(settings: dict[str, Any], recorded: dict[str, dict[str, Any] | 
         if changed:
             mismatched.append((name in input_data, name, changed))
     if not mismatched:
-        return
+        return computed
     own, name, changed = min(mismatched)  # another input's shard (own=False) first
     remedy = ("rerun with the same settings, --overwrite to redo every shard of this input, or a new --output" if own
               else f"it is not a shard of this input, so --overwrite keeps it too: use a new --output, or remove "

@@ -37,8 +37,10 @@ def run(job: JobConfig) -> dict[str, Any]:
     resume.check_ours(recorded, job.output, input_data)  # a file of another program where a shard of ours goes
     kept = complete - {s.name for s in todo}  # every complete shard this run does not redo
     by_name = {s.name: s for s in plan.shards}
-    resume.check_resume(settings, {n: recorded[n] for n in sorted(kept)}, job.output, input_data,
-                        digest=lambda name: content_digest(plan, by_name[name]))
+    known = store.digests()
+    store.keep_digests(known, resume.check_resume(settings, {n: recorded[n] for n in sorted(kept)}, job.output,
+                                                  input_data, digest=lambda name: content_digest(plan, by_name[name]),
+                                                  known=known))
     log.info(
         "input %s: %d shards, %d rows (prompts from %s%s); %d shards already complete in %s, %d to do",
         job.input or "<sample prompts>",

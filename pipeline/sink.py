@@ -5,12 +5,15 @@ Layout under the output root:
     _stats/<shard>.parquet     its stats rows (one per actor that worked on it)
     _stats/_summary.json       the last run's summary (named with "_" so that reading _stats/ as one Parquet
                                dataset skips it, as Arrow skips "_" and "." files)
+    _stats/_digests.json       SHA-256s of input files that a rerun read to check a complete shard (a touched or
+                               moved file), by shard, with the file's version and input path then
 A shard is complete when `<shard>.parquet` exists: it appears only once fully written, and its
 stats are written before it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 import uuid
@@ -73,6 +76,27 @@ class OutputStore:
 
     def summary_path(self) -> str:
         return posixpath.join(self.root, STATS_DIR, "_summary.json")
+
+    def digests_path(self) -> str:
+        return posixpath.join(self.root, STATS_DIR, "_digests.json")
+
+    def digests(self) -> dict[str, Any]:
+        """The SHA-256s earlier runs kept (resume.check_resume's `known`); {} where none were, or the file is not a
+        JSON object (it is only a cache: a bad one costs a file's reading, not the run)."""
+        try:
+            with self.fs.open(self.digests_path(), "r") as f:
+                known = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring %s (%s): input files will be hashed again", self.digests_path(), e)
+            return {}
+        return known if isinstance(known, dict) else {}
+
+    def keep_digests(self, known: dict[str, Any], computed: dict[str, Any]) -> None:
+        """Add this run's SHA-256s to the kept ones (no write when there are none)."""
+        if computed:
+            self.write_text(self.digests_path(), json.dumps({**known, **computed}, indent=1, sort_keys=True))
 
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""

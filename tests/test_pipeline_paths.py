@@ -106,12 +106,20 @@ def test_a_shard_resumes_wherever_its_input_lies_now_but_not_over_other_data(tmp
         run(job(tmp_path, tiny_model, tmp_path / "run1/in", tmp_path / "out"))
 
 
-def test_a_file_rewritten_in_place_with_the_same_size_is_refused_but_a_touched_one_resumes(tmp_path, tiny_model):
+def test_a_file_rewritten_in_place_with_the_same_size_is_refused_but_a_touched_one_resumes(tmp_path, tiny_model,
+                                                                                            monkeypatch):
     """At its recorded path, with its recorded rows and bytes: a file whose contents changed (its modification time
-    with them) is refused; one only touched, or copied over by the same bytes, resumes; a shard recorded without a
+    with them) is refused; one only touched, or copied over by the same bytes, resumes, and is read whole once, not
+    on every rerun (its SHA-256 kept in _stats/_digests.json with its new version); a shard recorded without a
     version (an earlier kivi-ray's) is not checked."""
     import os
 
+    from pipeline import run as run_module
+
+    hashed = []
+    content_digest = run_module.content_digest
+    monkeypatch.setattr(run_module, "content_digest", lambda plan, shard: hashed.append(shard.name) or content_digest(
+        plan, shard))
     n = random.randint(2, 6)
     path = tmp_path / "in/a.parquet"
     write(str(path), prompt=[f"p{i}" for i in range(n)])
@@ -119,8 +127,11 @@ def test_a_file_rewritten_in_place_with_the_same_size_is_refused_but_a_touched_o
     finished(cfg)
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: same bytes, a new time
-    summary = run(cfg)
-    assert (summary["shards_done"], summary["shards_skipped"]) == (0, 1)
+    for reads in (["a"], ["a"]):  # the first rerun reads the file; the second takes the kept SHA-256
+        summary = run(cfg)
+        assert (summary["shards_done"], summary["shards_skipped"]) == (0, 1) and hashed == reads
+    kept = json.loads((tmp_path / "out/_stats/_digests.json").read_text())
+    assert list(kept) == ["a"] and kept["a"]["version"].endswith(str(path.stat().st_mtime))
     write(str(path), prompt=[f"P{i}" for i in range(n)])  # edited in place: same rows and size
     assert path.stat().st_size == stat.st_size
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))

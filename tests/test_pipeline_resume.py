@@ -179,3 +179,39 @@ def test_naming_the_shipped_sample_and_model_records_the_defaults(tmp_path):
     assert row_settings(linked, plan_input(linked))["input"] == str(tmp_path / "link.parquet")
     recorded = dict(row_settings(default, plan), input=str(SAMPLE_PROMPTS), model=folder, gguf_file=name)
     check_resume(row_settings(default, plan), {"sample_prompts": recorded}, "o", {"sample_prompts": None})
+
+
+def test_resume_takes_kept_digests_for_files_unchanged_since_and_returns_the_ones_it_read(tmp_path):
+    """A kept SHA-256 stands in for reading a file where its entry names this run's input and the file's version now;
+    a file whose version moved on since (or an entry of another input) is read, and what was read comes back for
+    keeping; a kept file that does not parse is ignored."""
+    from pipeline.resume import check_resume
+    from pipeline.sink import OutputStore
+
+    rows, size = random.randint(1, 9), random.randint(100, 999)
+    data = lambda version: {"rows": rows, "bytes": size, "version": version}
+    now = {"input": "in2", "max_new_tokens": 4}
+    recorded = {"moved": dict(now, input="in1", input_data=dict(data("v1"), sha256="s")),
+                "touched": dict(now, input_data=dict(data("v1"), sha256="s"))}
+    current = {"moved": data("v1"), "touched": data("v2")}
+    calls = []
+    digest = lambda name: calls.append(name) or "s"
+    known = {"moved": {"input": "in2", "version": "v1", "sha256": "s"},
+             "touched": {"input": "in2", "version": "v2", "sha256": "s"}}
+    assert check_resume(now, recorded, "out", current, digest=digest, known=known) == {} and calls == []
+    stale = dict(known, touched={"input": "in2", "version": "v1", "sha256": "s"},
+                 moved={"input": "in0", "version": "v1", "sha256": "s"})
+    got = check_resume(now, recorded, "out", current, digest=digest, known=stale)
+    assert sorted(calls) == ["moved", "touched"]
+    assert got == {"moved": {"input": "in2", "version": "v1", "sha256": "s"},
+                   "touched": {"input": "in2", "version": "v2", "sha256": "s"}}
+    with pytest.raises(ValueError, match=r"shard 'touched' .*the file rewritten in place"):  # a kept wrong digest
+        check_resume(now, recorded, "out", current, digest=digest,
+                     known=dict(known, touched={"input": "in2", "version": "v2", "sha256": "other"}))
+    store = OutputStore(str(tmp_path / "out"))
+    store.prepare()
+    assert store.digests() == {}
+    store.keep_digests({"x": 1}, got)
+    assert store.digests() == {"x": 1, **got}
+    (tmp_path / "out/_stats/_digests.json").write_text("{not json")
+    assert store.digests() == {}
