@@ -94,9 +94,15 @@ class OutputStore:
         return known if isinstance(known, dict) else {}
 
     def keep_digests(self, known: dict[str, Any], computed: dict[str, Any]) -> None:
-        """Add this run's SHA-256s to the kept ones (no write when there are none)."""
-        if computed:
+        """Add this run's SHA-256s to the kept ones (no write when there are none); a failed write is a warning (the
+        next rerun reads those files again), not the run's end."""
+        if not computed:
+            return
+        try:
             self.write_text(self.digests_path(), json.dumps({**known, **computed}, indent=1, sort_keys=True))
+        except Exception as e:  # noqa: BLE001 - any store failure (S3's included): a cache, not the run
+            log.warning("could not keep input files' SHA-256s in %s (%s): a rerun reads them again",
+                        self.digests_path(), e)
 
     def write_table(self, path: str, table: pa.Table) -> None:
         """Write to a temp name in the same folder, then rename: readers never see a partial file."""

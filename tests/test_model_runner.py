@@ -119,3 +119,37 @@ def test_short_table_only_for_2bit_kivi_caches_wider_than_it(monkeypatch):
     assert model_runner.short_table_pages(cache(2, 64, page=2048)) == 0  # not one page
     monkeypatch.setattr(model_runner, "SHORT_TABLE_TOKENS", None)
     assert model_runner.short_table_pages(cache(2, 64)) == 0
+
+
+def test_replays_take_the_short_graphs_while_the_longest_row_fits(tiny, monkeypatch):
+    """The graph a step replays: the short table's while the longest row (positions + 1 at decode, one more at each
+    decode_next) fits in it, the full table's past it, at the width the bucket is routed to (graphs stood in for by
+    recorders)."""
+    from pipeline.actors.engine import EngineConfig, LLMEngine, model_runner
+    from tests.engine_cases import SMALL_KIVI, StubTokenizer, requests
+
+    monkeypatch.setattr(model_runner, "SHORT_TABLE_TOKENS", 64)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=3,
+                                                           page_size=SMALL_KIVI.page_size))
+    engine.generate(requests([5], [2]))  # builds the runner
+    runner, replays = engine.runner, []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replays.append(self.name)
+
+    wide = max(runner.buckets)
+    runner.route = {b: wide for b in runner.buckets}  # every bucket routed to the widest graph
+    runner.graphs = {w: (Recorder(("full", w)), torch.zeros(w, 5)) for w in runner.buckets}
+    runner.short_graphs = {w: (Recorder(("short", w)), torch.zeros(w, 5)) for w in runner.buckets}
+    limit = runner.short_tokens
+    assert limit == 64
+    runner.decode([1, 2], [limit - 2, 7], [0, 1])  # longest row limit - 1
+    runner.decode_next(torch.tensor([3, 4]))  # limit
+    runner.decode_next(torch.tensor([3, 4]))  # limit + 1: past the view
+    runner.decode([1, 2, 3], [3, limit - 1, 0], [0, 1, 2])  # other rows: limit again
+    runner.decode([1], [limit], [0])  # limit + 1
+    assert replays == [("short", wide), ("short", wide), ("full", wide), ("short", wide), ("full", wide)]

@@ -183,6 +183,8 @@ class ModelRunner:
                 # thread_local: the capture runs in the engine's thread (EngineService) while Ray's threads live on
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     logits = self._decode_graph_body(batch, short)
+                    if short:  # into the full-table graph's logits: one output buffer a width, not two
+                        logits = self.graphs[batch][1].copy_(logits)
                 pool = graph.pool()
                 (self.short_graphs if short else self.graphs)[batch] = (graph, logits)
         torch.cuda.synchronize()
