@@ -32,8 +32,7 @@ DEFAULT_SHAPES = ["a:256:161:497:32:32", "b:150:1153:1278:32:32", "d:125:1040:20
                   "b8:256:1153:1278:32:8", "e1:96:257:900:32:32", "e2:96:900:2300:32:32", "gqa:200:512:4096:32:8",
                   "u8:8:4096:4096:32:32", "u8g:8:4096:4096:32:8", "u64:64:4096:4096:32:32", "u64g:64:4096:4096:32:8",
                   "u256g:256:4096:4096:32:8", "u8l:8:32768:32768:32:32", "u8lg:8:32768:32768:32:8"]
-VARIANTS = {"default": {}, "one-block": dict(step_blocks=1), "ring-staged": dict(ring_staged=True),
-            "ring-staged-one-block": dict(ring_staged=True, step_blocks=1)}
+VARIANTS = {"default": {}, "one-block": dict(step_blocks=1)}
 
 
 def run_variant(bits: int, shape: str, variant: str, copy_gbps: float, l2: int) -> dict:

@@ -231,39 +231,3 @@ def test_wide_groups_with_fp16_scales_stay_finite(mma):
     got = run(decode_attention, case, q, cache, mma=mma).float()
     assert expected.isfinite().all() and got.isfinite().all()
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
-
-
-@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
-@pytest.mark.parametrize("step_blocks", [1, 2])
-@pytest.mark.parametrize("case", [MMA_CASES[i] for i in (0, 1, 2, 4, 7, 8)] + RING_CASES[1:] + [MMA4_CASES[0]],
-                         ids=lambda c: c.id)
-def test_mma_kernel_with_the_ring_through_shared_memory_matches_reference(case: Case, step_blocks: int):
-    """Version 29 (ring_staged): the ring's chunks by cp.async into two buffers refilled a half step ahead. The
-    cases hold partly filled rings (ring slots outside a row's tokens are NaN), ring-only and empty rows, R=192
-    (six chunks), splits that share the ring out, GQA up to 8 heads, and a 4-bit cache."""
-    check_against_reference(case, TOL[case.dtype], mma=True, ring_staged=True, step_blocks=step_blocks)
-
-
-@pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
-def test_ring_through_shared_memory_replayed_from_a_cuda_graph_matches_reference():
-    """A ring_staged call captured in a CUDA graph, replayed over fresh queries and fresh ring tokens (the slots
-    outside each row's tokens stay NaN) into a NaN-poisoned output."""
-    case = Case((1000, 161, 0, 64, 65, 300), 8, 2, 128, 2, 2, dtype=torch.bfloat16, scale_dtype=torch.float16)
-    q, cache, _ = make_inputs(case)
-    out = torch.empty_like(q)
-    run(decode_attention, case, q, cache, out=out, mma=True, ring_staged=True)  # compiled before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(decode_attention, case, q, cache, out=out, mma=True, ring_staged=True)
-    seed = random.randrange(2**31)  # fresh each run, named on failure
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    for replay in range(3):
-        q.copy_(torch.randn(q.shape, generator=gen, device=DEVICE, dtype=q.dtype))
-        for name in ("k_res", "v_res"):
-            t = cache[name]
-            t.copy_(torch.where(t.isnan(), t, torch.randn(t.shape, generator=gen, device=DEVICE, dtype=t.dtype)))
-        out.fill_(float("nan"))
-        graph.replay()
-        expected = run(reference.decode_attention, case, q, cache)
-        assert_close(out, expected, TOL[case.dtype], f"{case.id}, replay {replay}, seed {seed}")

@@ -49,7 +49,6 @@ from .kernel_mma_frag import (
     _ring_values,
 )
 from .kernel_mma_loop import _online_softmax, _packed_loop, _packed_loop_pairs
-from .kernel_mma_ring import _ring_stage_staged
 
 
 @gluon.jit
@@ -99,7 +98,7 @@ def _decode_attention_mma_kernel(
     QG: gl.constexpr, GROUP: gl.constexpr, RESIDUAL: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
     STAGES: gl.constexpr = 2, V_COPY: gl.constexpr = 1, RING_UNITS: gl.constexpr = 2, BITS: gl.constexpr = 2,
     PDL: gl.constexpr = False, STEP_BLOCKS: gl.constexpr = 1, ROW_MAJOR: gl.constexpr = False,
-    RING_PASS: gl.constexpr = False, RING_STAGED: gl.constexpr = False,
+    RING_PASS: gl.constexpr = False,
 ):
     """grid (B, H, num_splits), or (H, B, num_splits) with ROW_MAJOR: the QG query heads of KV head h of row b,
     one split of the keys. Work as in
@@ -107,8 +106,7 @@ def _decode_attention_mma_kernel(
     dtype, or with SPLIT the fp32 partial and its base-2 log-sum-exp. PDL (sm_90 and newer, split calls): let the
     merge, a programmatic dependent, launch at once (common.merge_splits). STEP_BLOCKS: packed 64-token blocks per
     online-softmax step (1, or 2: kernel_mma_loop._packed_loop_pairs). RING_PASS: the ring is read elsewhere (the
-    ring pass of kernel_ring.py, a split of its own), so the splits share out the packed blocks alone. RING_STAGED:
-    the ring's chunks arrive by cp.async in shared memory (version 29, kernel_mma_ring.py)."""
+    ring pass of kernel_ring.py, a split of its own), so the splits share out the packed blocks alone."""
     gl.static_assert(PAGE % 64 == 0 and RESIDUAL % 32 == 0 and (GROUP == 32 or GROUP == 64) and QG <= 8)
     gl.static_assert(BITS == 2 or BITS == 4)
     gl.static_assert(STEP_BLOCKS == 1 or STEP_BLOCKS == 2)
@@ -162,7 +160,7 @@ def _decode_attention_mma_kernel(
         res = slot * stride_res_s + h * stride_res_h
         m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3 = _ring_stage(
             q_a, kr_ptr + res, vr_ptr + res, lo, hi, n_packed, n_ring, nq, n_res, qk_scale, m_i, l_i, acc0, acc1,
-            acc2, acc3, z, stride_res_t, RESIDUAL, BITS, SPLIT, RING_UNITS, RING_STAGED)
+            acc2, acc3, z, stride_res_t, RESIDUAL, BITS, SPLIT, RING_UNITS)
     # stage 4: codes' factors undone, the zeros' share, normalized (or the split's partial and log-sum-exp)
     _store_item(o_ptr + b * stride_o_b + (h * QG) * stride_o_h + split.to(gl.int64) * stride_o_s,
                 lse_ptr + b * stride_lse_b + (h * QG) * stride_lse_h + split, m_i, l_i, acc0, acc1, acc2, acc3, z,
@@ -172,7 +170,7 @@ def _decode_attention_mma_kernel(
 @gluon.jit
 def _ring_stage(q_a, kr_row, vr_row, lo, hi, n_packed, n_ring, nq, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2,
                 acc3, z, stride_res_t: gl.constexpr, RESIDUAL: gl.constexpr, BITS: gl.constexpr,
-                SPLIT: gl.constexpr, RING_UNITS: gl.constexpr, RING_STAGED: gl.constexpr = False):
+                SPLIT: gl.constexpr, RING_UNITS: gl.constexpr):
     """The split's share of the ring (_ring_share; pointers at the row's slot and head) into sums of its own,
     r0..r3 [32, 8], the packed sums rescaled as the softmax state moves: (m_i, l_i, acc0..acc3, z, r0..r3)."""
     r0 = gl.zeros([32, 8], gl.float32, _MMA)
@@ -180,17 +178,12 @@ def _ring_stage(q_a, kr_row, vr_row, lo, hi, n_packed, n_ring, nq, n_res, qk_sca
     r2 = r0
     r3 = r0
     ring_lo, ring_hi = _ring_share(lo, hi, n_packed, n_ring, SPLIT, RING_UNITS)
-    if RING_STAGED:  # version 29: through shared memory
-        m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3 = _ring_stage_staged(
-            q_a, kr_row, vr_row, ring_lo, ring_hi, nq, n_res, qk_scale, m_i, l_i, acc0, acc1, acc2, acc3, z,
-            stride_res_t, RESIDUAL, BITS)
-    else:
-        for start in range(ring_lo, ring_hi, 32):
-            m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_row, vr_row, start, nq % RESIDUAL, n_res, qk_scale,
-                                                         m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL, BITS)
-            alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
-            acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
-            z = z * alpha_c
+    for start in range(ring_lo, ring_hi, 32):
+        m_i, l_i, alpha, r0, r1, r2, r3 = _ring_step(q_a, kr_row, vr_row, start, nq % RESIDUAL, n_res, qk_scale,
+                                                     m_i, l_i, r0, r1, r2, r3, stride_res_t, RESIDUAL, BITS)
+        alpha_c = gl.convert_layout(alpha, _COLS)[None, :]
+        acc0, acc1, acc2, acc3 = acc0 * alpha_c, acc1 * alpha_c, acc2 * alpha_c, acc3 * alpha_c
+        z = z * alpha_c
     return m_i, l_i, acc0, acc1, acc2, acc3, z, r0, r1, r2, r3
 
 

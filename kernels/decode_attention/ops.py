@@ -8,15 +8,7 @@ from ..packing import expected_scale_dtype
 from . import common as C
 from .kernel import _decode_attention_kernel
 from .ops_fma import FMA_BLOCK_N, fma_by_default, fma_eligible, launch_fma
-from .ops_mma import (
-    MMA_DEFAULT,
-    check_ring_pass,
-    check_ring_staged,
-    check_step_blocks,
-    check_value_copy,
-    launch_mma,
-    mma_eligible,
-)
+from .ops_mma import MMA_DEFAULT, check_ring_pass, check_step_blocks, check_value_copy, launch_mma, mma_eligible
 
 _OP = "decode_attention"
 
@@ -123,7 +115,6 @@ def decode_attention(
     ring_units: int | None = None,
     step_blocks: int | None = None,
     ring_pass: bool | None = None,
-    ring_staged: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per row over packed tokens [0, nq) and the ring [nq, L).
 
@@ -147,10 +138,8 @@ def decode_attention(
     "sectors", kernel_mma_stage.py; default ops_mma.MMA_VALUE_COPY) and
     ring_units (the weight of 32 ring
     slots in the split count's work units, the ring then spread over splits; 0 gives the whole ring to one split;
-    default ops_mma.MMA_RING_UNITS), step_blocks (64-token blocks per online-softmax step, 1 or 2; default
-    ops_mma.mma_step_blocks), ring_pass (the ring read by a pass of its own, ops_ring; default ops_mma.mma_ring_pass)
-    and ring_staged (the ring's chunks through shared memory, kernel_mma_ring.py; default ops_mma.MMA_RING_STAGED)
-    apply).
+    default ops_mma.MMA_RING_UNITS) and step_blocks (64-token blocks per online-softmax step, 1 or 2; default
+    ops_mma.mma_step_blocks) apply).
     """
     check_args(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                seq_lens, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
@@ -158,7 +147,6 @@ def decode_attention(
     check_value_copy(value_copy)
     check_step_blocks(step_blocks)
     check_ring_pass(ring_pass)
-    check_ring_staged(ring_staged)
     batch, q_heads, head_dim = q.shape
     kv_heads = k_codes.shape[1]
     qg = q_heads // kv_heads
@@ -185,7 +173,7 @@ def decode_attention(
                              f"device={q.device}")
         return launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots,
                           seq_lens, out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
-                          maxnreg, num_stages, value_copy, ring_units, step_blocks, ring_pass, ring_staged)
+                          maxnreg, num_stages, value_copy, ring_units, step_blocks, ring_pass)
     fma_ok = fma_eligible(q, k_bits, v_bits, group_size, residual_length, page_size, qg)
     if fma is None:  # by default where eligible and large enough, unless the tensor-core path's tuning was asked for
         tuned = any(v is not None for v in table_knobs)

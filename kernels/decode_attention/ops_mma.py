@@ -68,11 +68,6 @@ MMA_PAIRS_MIN_BLOCKS = (16, 64)
 # 2-30%; at 4 bits, whose kernel reads its ring at 0.90 of copy, it was 3% slower on a's and ring-only rows
 MMA_RING_PASS = True
 MMA_RING_PASS_BITS = (2,)
-# version 29: the ring's 32-slot chunks arrive by cp.async in two shared-memory buffers (keys, values), each
-# refilled with the next chunk once this chunk's product has read it (kernel_mma_ring.py), where version 14 loads
-# them into registers and waits (ncu: 47% of the cycles between a warp's instructions in L1TEX waits on ring-only
-# rows). The buffers take the dead packed stages' room: 16 KiB a program at one block a step (12 before), 24 at two
-MMA_RING_STAGED = False
 MMA_DEFAULT = True  # the launcher's default for eligible 16-bit calls of at least FMA_MIN_WORK pairs (MHA and GQA)
 
 
@@ -143,7 +138,7 @@ def mma_ring_pass(bits: int, rows: int, num_splits: int | None, maxnreg: int, de
 def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens,
                out, sm_scale, group_size, residual_length, page_size, num_splits, max_tokens,
                maxnreg=None, stages=None, value_copy=None, ring_units=None, step_blocks=None,
-               ring_pass=None, ring_staged=None) -> torch.Tensor:
+               ring_pass=None) -> torch.Tensor:
     """The tensor-core kernel: grid common.decode_grid of one-warp programs, then the split merge. stages:
     cp.async stages of its packed loop (MMA_STAGES by default; 3 keeps two blocks in flight, 18 KiB of shared
     memory a program instead of 12 at 2 bits, 30 instead of 20 at 4, where 7 programs then fit an SM's 228 KiB
@@ -154,8 +149,7 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     0: the whole ring to one split). step_blocks: 64-token blocks per online-softmax step, 1 or 2
     (mma_step_blocks by default; 2 takes 2 stages of each kind a step). ring_pass: the ring read by programs of
     its own on a side stream (ops_ring), a split of its own in the merge (mma_ring_pass by default; the call is
-    then unsplit unless num_splits says otherwise). ring_staged: the kernel's ring through shared memory (version
-    29, MMA_RING_STAGED by default)."""
+    then unsplit unless num_splits says otherwise)."""
     batch, q_heads, _ = q.shape
     kv_heads = k_codes.shape[1]
     maxnreg = MMA_MAXNREG if maxnreg is None else maxnreg
@@ -173,8 +167,6 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     if not isinstance(ring_units, int) or not 0 <= ring_units <= 8:
         raise ValueError(f"{_OP}: ring_units must be an int in [0, 8], got {ring_units!r}")
     check_ring_pass(ring_pass)
-    check_ring_staged(ring_staged)
-    ring_staged = MMA_RING_STAGED if ring_staged is None else ring_staged
     if ring_pass is None:
         ring_pass = mma_ring_pass(bits, batch * kv_heads, num_splits, maxnreg, q.device)
     if ring_pass and num_splits is None:
@@ -187,7 +179,7 @@ def launch_mma(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_r
     caches = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, block_table, slots, seq_lens)
     meta = dict(QG=q_heads // kv_heads, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, STAGES=stages,
                 V_COPY=VALUE_COPIES[value_copy], RING_UNITS=ring_units, BITS=bits, STEP_BLOCKS=step_blocks,
-                RING_STAGED=ring_staged and not ring_pass, num_warps=1, maxnreg=maxnreg)
+                num_warps=1, maxnreg=maxnreg)
     if ring_pass:
         return _launch_with_ring_pass(q, caches, out, sm_scale, group_size, residual_length, num_splits, **meta)
     return C.launch_kivi(_decode_attention_mma_kernel, q, caches, out, sm_scale, num_splits, RING_PASS=False,
@@ -198,12 +190,6 @@ def check_ring_pass(ring_pass: bool | None) -> None:
     """A clear error for a ring_pass that is not None, True or False, on every path of the call."""
     if ring_pass is not None and not isinstance(ring_pass, bool):
         raise ValueError(f"{_OP}: ring_pass must be None, True or False, got {ring_pass!r}")
-
-
-def check_ring_staged(ring_staged: bool | None) -> None:
-    """A clear error for a ring_staged that is not None, True or False, on every path of the call."""
-    if ring_staged is not None and not isinstance(ring_staged, bool):
-        raise ValueError(f"{_OP}: ring_staged must be None, True or False, got {ring_staged!r}")
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -103,11 +103,10 @@ def decode_attention(
     ring_units: int | None = None,
     step_blocks: int | None = None,
     ring_pass: bool | None = None,
-    ring_staged: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ops.decode_attention; the tuning arguments are accepted and ignored."""
     del num_splits, block_n, use_dot, num_warps, num_stages, lazy, key_vec, swap_ab, fma, maxnreg, cp_async, magic, mma
-    del value_copy, ring_units, step_blocks, ring_pass, ring_staged
+    del value_copy, ring_units, step_blocks, ring_pass
     batch, q_heads, head_dim = q.shape
     kv_heads = k_res.shape[1]
     seq_lens = seq_lens.long()
