@@ -139,7 +139,6 @@ VARIANTS = {
     "arrival": dict(),  # decode rows in arrival order, not longest first (KERNEL_VARIANTS)
     "no-ring-pass": dict(),  # the ring read inside the tensor-core kernel, as before version 27 (KERNEL_VARIANTS)
     "full-table": dict(),  # decode graphs over the whole block table only, as before 2026-12-01 (KERNEL_VARIANTS)
-    "store-loop": dict(),  # the decode store a program per (row, head, keys or values), before store 14 (KERNEL_...)
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
@@ -150,8 +149,7 @@ KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS
                    "head-major": ("kernels.decode_attention.common", "ROW_MAJOR", False),
                    "arrival": ("pipeline.actors.engine.scheduler", "LONGEST_FIRST", False),
                    "no-ring-pass": ("kernels.decode_attention.ops_mma", "MMA_RING_PASS", False),
-                   "full-table": ("pipeline.actors.engine.model_runner", "SHORT_TABLE_TOKENS", None),
-                   "store-loop": ("kernels.kv_store.ops", "STORE_FLUSH_ITEMS", False)}
+                   "full-table": ("pipeline.actors.engine.model_runner", "SHORT_TABLE_TOKENS", None)}
 
 
 @contextmanager

@@ -22,12 +22,11 @@ def decode_store_bytes(B, H, D, bits, esize=2, flushed=None) -> int:
 SUFFIX = {"new": "", "v0": "_v0"}  # record names: quantize_pack, quantize_pack_v0, ...
 # launch configurations --tune tries beside the default: (block_c, num_warps)
 STORE_CANDIDATES = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (128, 4)]
-# store_decode's forms before store 14 (kv_store.ops.STORE_FLUSH_ITEMS, the default: appends by row, flushes as
-# items): one program per head's keys or values (loop_chunks; the default then from STORE_LOOP_MIN_HEADS KV heads
-# up) and one per chunk, each forced: run beside the default in every store run, on the flush and the append cases
-# (kernels-20261130-h200-stores-loop.json also had block_c=32 with 1 and 2 warps: slower than the default block_c on
-# every case)
-LOOP_TUNINGS = [dict(flush_items=False, loop_chunks=True), dict(flush_items=False, loop_chunks=False)]
+# store_decode with one program per head's keys or values (loop_chunks; the default from
+# kv_store.ops.STORE_LOOP_MIN_HEADS KV heads up) and with one per chunk, each forced: run beside the default in
+# every store run, on the flush and the append cases (kernels-20261130-h200-stores-loop.json also had block_c=32 with 1
+# and 2 warps: slower than the default block_c on every case)
+LOOP_TUNINGS = [dict(loop_chunks=True), dict(loop_chunks=False)]
 
 
 def store_ops(impl: str):

@@ -145,23 +145,16 @@ def test_triton_prefill_matches_reference(request, case):
     assert_same(got, want)
 
 
-# the decode store's forms: the default; a program per (row, head, chunk); a program per (row, head, keys or
-# values) going over 4 chunks of 16 channels when it flushes; appends by row with the flushes as items over 3
-# programs (so a program takes several items)
-DECODE_FORMS = {"reference": {}, "triton": {}, "triton-chunks": dict(flush_items=False, loop_chunks=False),
-                "triton-loop": dict(flush_items=False, loop_chunks=True, block_c=16),
-                "triton-items": dict(flush_items=True, flush_programs=3, block_c=16)}
-
-
-@pytest.mark.parametrize("backend", list(DECODE_FORMS))
+@pytest.mark.parametrize("backend", ["reference", "triton", "triton-loop"])
 @pytest.mark.parametrize("bits", [(2, 4), (4, 2)], ids=["k2v4", "k4v2"])
 def test_decode_appends_match_one_prefill(request, backend, bits):
     """Prefill part of each row, append the rest one token at a time (several flushes, rows finishing at
     different steps, one always-inactive row), then compare with store_prefill of the whole sequences:
     the pages must be identical (so flushes follow nq = G * ceil(max(0, L - R) / G)) and so must the live
     ring slots [nq, L)."""
-    mod = BACKENDS[backend.split("-")[0]]
-    loop = DECODE_FORMS[backend]
+    mod = BACKENDS[backend.removesuffix("-loop")]
+    # one program per head's keys or values, going over 4 chunks of 16 channels when it flushes
+    loop = dict(loop_chunks=True, block_c=16) if backend.endswith("-loop") else {}
     cfg, dtype = cfg_of(*bits, G=16, R=32, P=32), torch.float16
     B, H, D, N = 3, 2, 64, 60
     total, first = [90, 115, 0], [20, 45, 0]

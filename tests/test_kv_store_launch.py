@@ -15,21 +15,18 @@ import torch
 from kernels.kv_store import ops
 from tests.kv_store_cases import BACKENDS, DEVICE, POOLS, SPEC, assert_same, cfg_of, make_batch, make_pools, seeded
 
-# D, G, block_c, num_warps, decode form: chunks of keys and values per program (D = 96: the last chunk is partly
-# past D), and the decode store's form: "chunks" (a program per chunk), "loop" (a program per head's keys or
-# values, its flush a loop over the chunks) or "items" (appends by row, flushes shared out as items)
-TUNINGS = [(96, 32, None, 1, "chunks"), (96, 32, 32, 2, "chunks"), (64, 16, 16, 1, "chunks"),
-           (128, 32, 128, 4, "chunks"), (96, 32, 32, 1, "loop"), (96, 32, None, 1, "loop"), (64, 16, 16, 2, "loop"),
-           (128, 32, None, 1, "loop"), (96, 32, 32, 1, "items"), (128, 32, None, 2, "items"), (64, 16, 16, 1, "items")]
-FORMS = {"chunks": dict(flush_items=False, loop_chunks=False), "loop": dict(flush_items=False, loop_chunks=True),
-         "items": dict(flush_items=True)}
+# D, G, block_c, num_warps, loop_chunks: chunks of keys and values per program (D = 96: the last chunk is partly
+# past D), and the decode store's loop over a head's chunks in one program
+TUNINGS = [(96, 32, None, 1, False), (96, 32, 32, 2, False), (64, 16, 16, 1, False), (128, 32, 128, 4, False),
+           (96, 32, 32, 1, True), (96, 32, None, 1, True), (64, 16, 16, 2, True), (128, 32, None, 1, True)]
 
 
-@pytest.mark.parametrize("tuning", TUNINGS, ids=[f"D{t[0]}-G{t[1]}-c{t[2]}-w{t[3]}-{t[4]}" for t in TUNINGS])
+@pytest.mark.parametrize("tuning", TUNINGS, ids=[f"D{t[0]}-G{t[1]}-c{t[2]}-w{t[3]}" + ("-loop" if t[4] else "")
+                                                 for t in TUNINGS])
 def test_triton_tuning_matches_reference(request, tuning):
     """Every channel-chunk width and warp count stores what the reference stores: a prefill, then decode
     appends through a flush (the prefill leaves a full ring behind)."""
-    D, G, block_c, num_warps, form = tuning
+    D, G, block_c, num_warps, loop_chunks = tuning
     cfg, dtype = cfg_of(2, 4, G=G, R=2 * G, P=2 * G), torch.float16
     B, H, N, lengths = 2, 2, 16, [3 * G + 5, 2 * G + 4]
     key, value, starts, lens, slots, bt = make_batch(seeded(request), B, H, 4 * G, D, lengths, dtype, num_pages=N)
@@ -44,7 +41,7 @@ def test_triton_tuning_matches_reference(request, tuning):
         seq_lens = torch.where(pos < lens, pos + 1, 0).int()
         at = (starts + pos).clamp(max=key.shape[2] - 1)
         ops.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt, *(got[n] for n in POOLS), **cfg,
-                         block_c=block_c, num_warps=num_warps, **FORMS[form])
+                         block_c=block_c, num_warps=num_warps, loop_chunks=loop_chunks)
         SPEC.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt, *(want[n] for n in POOLS), **cfg)
     assert_same(got, want)
 
@@ -65,8 +62,7 @@ def test_decode_store_loops_over_chunks_from_the_head_threshold(monkeypatch, hea
     key = torch.zeros(1, heads, 64, dtype=dtype, device=DEVICE)
     one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     table = torch.zeros(3, 4, dtype=torch.int32, device=DEVICE)
-    store = lambda **kw: ops.store_decode(key, key, one, one, table, *(pools[n] for n in POOLS), **cfg,
-                                          **{"flush_items": False, **kw})
+    store = lambda **kw: ops.store_decode(key, key, one, one, table, *(pools[n] for n in POOLS), **cfg, **kw)
     store()
     looped = heads >= ops.STORE_LOOP_MIN_HEADS
     chunks = ops._launch_config(key, cfg["group_size"], None, None)["NC"]
@@ -76,61 +72,6 @@ def test_decode_store_loops_over_chunks_from_the_head_threshold(monkeypatch, hea
     monkeypatch.setattr(ops, "STORE_LOOP_MIN_HEADS", None)
     store()
     assert grids[-1] == ((1, heads, 2 * chunks), False)
-
-
-@pytest.mark.parametrize("flush_programs", [1, 4, None])
-def test_items_store_where_rows_flush_together_matches_reference(request, flush_programs):
-    """Store 14 (flush_items) at a step where several rows flush at once (rows that started together, as in a
-    wave of the engine): two rows flush (ring full at R and at R + G tokens), one only appends, one is inactive;
-    3 KV heads, D = 96 (a partial chunk), one program taking every item or a few taking several."""
-    cfg, dtype = cfg_of(2, 4, G=32, R=64, P=64), torch.float16
-    B, H, D, N = 4, 3, 96, 24
-    first = [64, 96, 70, 0]  # tokens cached before the step; the step appends token first[b]
-    key, value, starts, lens, slots, bt = make_batch(seeded(request), B, H, 128, D, [f + 1 for f in first], dtype,
-                                                     num_pages=N)
-    got, want = make_pools(N, B + 2, H, D, cfg, dtype), make_pools(N, B + 2, H, D, cfg, dtype)
-    prompt = torch.tensor(first, dtype=torch.int32, device=DEVICE)
-    ops.store_prefill(key, value, starts, prompt, slots, bt, *(got[n] for n in POOLS), **cfg)
-    SPEC.store_prefill(key, value, starts, prompt, slots, bt, *(want[n] for n in POOLS), **cfg)
-    seq_lens = torch.where(prompt > 0, prompt + 1, 0).int()
-    rows, at = torch.arange(B, device=DEVICE), (starts + prompt).clamp(max=key.shape[2] - 1)
-    ops.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt, *(got[n] for n in POOLS), **cfg,
-                     flush_items=True, flush_programs=flush_programs)
-    SPEC.store_decode(key[rows, :, at], value[rows, :, at], seq_lens, slots, bt, *(want[n] for n in POOLS), **cfg)
-    assert_same(got, want)
-
-
-def test_items_store_launches_appends_by_row_and_a_fixed_set_of_flush_programs(monkeypatch):
-    """The default decode store (STORE_FLUSH_ITEMS): 2 B cdiv(H, APPEND_HEADS) append programs and
-    FLUSH_PROGRAMS_PER_SM flush programs an SM (one SM on the CPU), never more than a step where every row flushes
-    has items; flush_programs overrides."""
-    grids = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda **kw: grids.append((grid, kw["num_flush_programs"]))
-
-    monkeypatch.setattr(ops, "store_decode_items_kernel", Recorder())
-    cfg, dtype = cfg_of(2, 4), torch.float16
-
-    def store(B, H, **kw):
-        key = torch.zeros(B, H, 64, dtype=dtype, device=DEVICE)
-        ones = torch.ones(B, dtype=torch.int32, device=DEVICE)
-        table = torch.zeros(B + 1, 4, dtype=torch.int32, device=DEVICE)
-        pools = make_pools(8, B + 1, H, 64, cfg, dtype)
-        ops.store_decode(key, key, ones, ones, table, *(pools[n] for n in POOLS), **cfg, **kw)
-
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE == "cuda" else 1
-    for B, H, heads in ((5, 8, 1), (1, 2, 1), (3, 20, 3)):  # heads: append programs a row's keys (8 heads each)
-        items = B * H * 2 * (64 // ops.ITEMS_BLOCK_C)  # a step where every row flushes: B H 2 NC
-        want = min(ops.FLUSH_PROGRAMS_PER_SM * sms, items)
-        store(B, H)
-        assert grids[-1] == ((2 * B * heads + want,), want)
-        store(B, H, flush_programs=3)
-        assert grids[-1] == ((2 * B * heads + min(3, want),), min(3, want))
-    for bad in (0, -2, 1.5, "4"):
-        with pytest.raises(ValueError, match="flush_programs"):
-            store(2, 2, flush_programs=bad)
 
 
 def test_bad_tuning_is_a_clear_error():
@@ -185,17 +126,17 @@ _COMPILE_SCRIPT = r"""
 import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from kernels.kv_store import kernel, kernel_decode
+from kernels.kv_store import kernel
 INT_PTRS = {"starts_ptr", "lengths_ptr", "slots_ptr", "seq_lens_ptr", "block_table_ptr", "k_codes_ptr",
             "v_codes_ptr"}
 out = []
-for fn in (kernel.store_prefill_kernel, kernel.store_decode_kernel, kernel_decode.store_decode_items_kernel):
+for fn in (kernel.store_prefill_kernel, kernel.store_decode_kernel):
     for dtype, consts in json.loads(sys.argv[1]):
         data, scales = (dtype.split("/") * 2)[:2]  # "bf16/fp16": bf16 keys and ring, fp16 scales and zeros
         ptr_ty = lambda n: "*i32" if n in INT_PTRS else "*" + (scales if "scale" in n or "zero" in n else data)
         sig = {p.name: "constexpr" if p.is_constexpr else ptr_ty(p.name) if p.name.endswith("_ptr") else "i32"
                for p in fn.params}
-        consts = {k: v for k, v in consts.items() if k in sig}  # LOOP_CHUNKS, BLOCK_*: the decode kernels' only
+        consts = {k: v for k, v in consts.items() if k in sig}  # LOOP_CHUNKS, BLOCK_D: the decode kernel's only
         src = triton.compiler.ASTSource(fn, sig, consts)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
@@ -206,15 +147,14 @@ print(json.dumps(out))
 
 
 def test_kernels_compile_for_h200(tmp_path):
-    """Compile the three kernels for sm_90 with the real JIT (a subprocess without TRITON_INTERPRET): no GPU
+    """Compile both kernels for sm_90 with the real JIT (a subprocess without TRITON_INTERPRET): no GPU
     needed. The PTX must use IEEE division and no fused multiply-add, or codes could differ from the
-    reference, and the decode kernels must keep their barrier between the flush and the overwrite."""
-    shape = dict(BLOCK_H=32, BLOCK_D=128, BLOCK_B=256)  # the items kernel's (32 KV heads of 128, 256 rows)
-    configs = [("fp16", dict(K_BITS=2, V_BITS=4, GROUP=32, RESIDUAL=128, PAGE=64, BLOCK_C=64, NC=1, **shape)),
-               ("bf16", dict(K_BITS=4, V_BITS=2, GROUP=16, RESIDUAL=32, PAGE=48, BLOCK_C=64, NC=2, **shape)),
-               ("bf16/fp16", dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, BLOCK_C=64, NC=2, **shape)),
+    reference, and the decode kernel must keep its barrier between the flush and the overwrite."""
+    configs = [("fp16", dict(K_BITS=2, V_BITS=4, GROUP=32, RESIDUAL=128, PAGE=64, BLOCK_C=64, NC=1)),
+               ("bf16", dict(K_BITS=4, V_BITS=2, GROUP=16, RESIDUAL=32, PAGE=48, BLOCK_C=64, NC=2)),
+               ("bf16/fp16", dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, BLOCK_C=64, NC=2)),
                ("bf16/fp16", dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, BLOCK_C=32, NC=4,
-                                  LOOP_CHUNKS=True, **shape))]
+                                  LOOP_CHUNKS=True, BLOCK_D=128))]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -223,10 +163,10 @@ def test_kernels_compile_for_h200(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 12
+    assert len(results) == 8
     for r in results:
         assert r["cubin"] > 0
         assert "div.rn.f32" in r["ops"] and "fma.rn.f32" not in r["ops"], r
         assert not any(o.startswith(("div.full", "div.approx")) for o in r["ops"]), r
-        if r["name"] in ("store_decode_kernel", "store_decode_items_kernel"):
+        if r["name"] == "store_decode_kernel":
             assert "bar.sync" in r["ops"], r

@@ -13,7 +13,6 @@ import triton
 
 from ..packing import expected_scale_dtype
 from .kernel import store_decode_kernel, store_prefill_kernel
-from .kernel_decode import store_decode_items_kernel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # store_decode with one program per head's keys or values, its flush a loop over channel chunks, from this many KV
@@ -21,17 +20,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 238: 22.6 -> 17.4) and a flush of every row 3-11% slower; at 8 heads the append lost up to 30% (64 rows: 4.7 ->
 # 6.2 us): kernel_notes.md, store kernels, 12; kernels-20261130-h200-stores-loop.json
 STORE_LOOP_MIN_HEADS: int | None = 16
-# store 14 (kernel_decode.py): a row's append as one program for all its heads' keys (or values), the flushes as
-# (row, head, part) items shared out over a fixed set of programs, instead of a program per (row, head, part):
-# 512 + F programs at 256 rows of 32 KV heads where store_decode_kernel runs 16,384 (profile-step-20261201-h200-a
-# .json: 11.6 us a layer). F = FLUSH_PROGRAMS_PER_SM programs an SM, at most one per item of a step where every
-# row flushes.
-STORE_FLUSH_ITEMS = True
-FLUSH_PROGRAMS_PER_SM = 16
-APPEND_HEADS = 8  # heads an append program copies ([8, 128] of 16-bit: 2 KiB, 32 elements a lane at one warp)
-# channels a flush item quantizes: at one warp, [32, 64] tiles took 255 registers and spilled in the items' loop,
-# [32, 32] 156 (13 programs an SM)
-ITEMS_BLOCK_C = 32
 
 
 def _check_tensor(name: str, t, shape, dtype, device) -> None:
@@ -172,18 +160,14 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
 def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero,
                  v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
                  residual_length: int, page_size: int, block_c: int | None = None,
-                 num_warps: int | None = None, loop_chunks: bool | None = None, flush_items: bool | None = None,
-                 flush_programs: int | None = None) -> None:
+                 num_warps: int | None = None, loop_chunks: bool | None = None) -> None:
     """Append one token per row (in place): key, value [B, H, D] are token L = seq_lens[b] - 1.
 
     seq_lens, slots: int32 [B] (seq_lens 0 = inactive row, skipped). Other tensors as in store_prefill.
     When L >= R and (L - R) % G == 0 the oldest group (slots (L - R) % R ..) is quantized into page
     block_table[slot, (L - R) // P] first; then the token goes to ring slot L % R. Tuning as in store_prefill,
     and loop_chunks (default: from STORE_LOOP_MIN_HEADS KV heads up): one program for the keys or the values of
-    a whole head, its flush going over the chunks of block_c channels in turn (store_decode_kernel, LOOP_CHUNKS);
-    flush_items (default STORE_FLUSH_ITEMS; loop_chunks then does not apply): a program per row's keys or values
-    for the appends and flush_programs programs (default FLUSH_PROGRAMS_PER_SM an SM) that share out the flushes
-    by (row, head, chunk) items (kernel_decode.py).
+    a whole head, its flush going over the chunks of block_c channels in turn (store_decode_kernel, LOOP_CHUNKS).
     """
     check_store_args(key, value, (("seq_lens", seq_lens),), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
@@ -194,16 +178,7 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
     B, H, D = key.shape
     if B == 0:
         return
-    flush_items = STORE_FLUSH_ITEMS if flush_items is None else flush_items
-    if flush_items and block_c is None:
-        block_c = max(group_size, min(ITEMS_BLOCK_C, triton.next_power_of_2(D)))
     cfg = _launch_config(key, group_size, block_c, num_warps)
-    if flush_programs is not None and (not isinstance(flush_programs, int) or flush_programs < 1):
-        raise ValueError(f"flush_programs must be a positive int, got {flush_programs!r}")
-    if flush_items:
-        _launch_items(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                      k_res, v_res, k_bits, v_bits, group_size, residual_length, page_size, cfg, flush_programs)
-        return
     if loop_chunks is None:
         loop_chunks = STORE_LOOP_MIN_HEADS is not None and H >= STORE_LOOP_MIN_HEADS
     loop_chunks = bool(loop_chunks)
@@ -218,30 +193,4 @@ def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_z
         **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
         K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
         LOOP_CHUNKS=loop_chunks, BLOCK_D=triton.next_power_of_2(D) if loop_chunks else 1, **cfg,
-    )
-
-
-def _launch_items(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                  k_res, v_res, k_bits, v_bits, group_size, residual_length, page_size, cfg, flush_programs) -> None:
-    """store_decode_items_kernel over 2 B cdiv(H, APPEND_HEADS) append programs and flush_programs flush
-    programs."""
-    B, H, D = key.shape
-    items = B * H * 2 * cfg["NC"]  # a step where every row flushes
-    if flush_programs is None:
-        sms = torch.cuda.get_device_properties(key.device).multi_processor_count if key.is_cuda else 1
-        flush_programs = FLUSH_PROGRAMS_PER_SM * sms
-    flush_programs = min(flush_programs, items)
-    block_h = min(APPEND_HEADS, triton.next_power_of_2(H))
-    store_decode_items_kernel[(2 * B * triton.cdiv(H, block_h) + flush_programs,)](
-        key_ptr=key, value_ptr=value, seq_lens_ptr=seq_lens, slots_ptr=slots, block_table_ptr=block_table,
-        k_codes_ptr=k_codes, k_scale_ptr=k_scale, k_zero_ptr=k_zero,
-        v_codes_ptr=v_codes, v_scale_ptr=v_scale, v_zero_ptr=v_zero, k_res_ptr=k_res, v_res_ptr=v_res,
-        B=B, H=H, D=D, num_flush_programs=flush_programs,
-        stride_key_b=key.stride(0), stride_key_h=key.stride(1),
-        stride_value_b=value.stride(0), stride_value_h=value.stride(1),
-        stride_bt_s=block_table.stride(0),
-        **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
-        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size,
-        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(D), BLOCK_B=triton.next_power_of_2(B),
-        **cfg,
     )
