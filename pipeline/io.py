@@ -228,7 +228,9 @@ def _list_parquet(fs: Any, path: str, url: str, glob: bool) -> tuple[list[str], 
 
 def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int, str | None]:
     """(schema, rows, bytes, version) of a parquet file; version: what changes whenever the file is rewritten (S3's
-    ETag, else the modification time; None where the filesystem tells neither)."""
+    ETag, else the modification time; None where the filesystem tells neither). A local file's version also holds
+    its status-change time (st_ctime, which fsspec calls "created" there), which every write sets and no one can set
+    back: a rewrite whose modification time was restored (cp -p, rsync -t, tar, os.utime) still changes it."""
     try:
         info = fs.info(file)
         with fs.open(file, "rb") as f:
@@ -238,7 +240,10 @@ def _footer(fs: Any, file: str) -> tuple[pa.Schema, int, int, str | None]:
         raise ValueError(f"cannot read parquet file {file!r}: {e}") from None
     # the first fact the filesystem fills in (s3fs gives an ETag of "" where the store has none)
     key = next((k for k in ("ETag", "etag", "mtime", "LastModified", "updated") if info.get(k)), None)
-    return schema, rows, info["size"], key and f"{key} {info[key]}"
+    version = key and f"{key} {info[key]}"
+    if key == "mtime" and info.get("created") and info.get("ino") is not None:  # a local file (fsspec's "file")
+        version += f" ctime {info['created']}"
+    return schema, rows, info["size"], version
 
 
 def _shard_name(file: str, root: str) -> str:
