@@ -182,13 +182,14 @@ def test_assembler_splits_shards_and_writes_stats(tmp_path):
         "error",
     ]
     assert a["id"].to_pylist() == ["a-0", "a-1", "a-2"] and a["topic"].to_pylist() == ["x", "y", "z"]
-    for name in "abc":  # each shard records its own input file's rows, bytes, version (its modification time here)
-        # and SHA-256 (hashed in the background)
+    for name in "abc":  # each shard records its own input file's rows, bytes, version (its modification and
+        # status-change times here) and SHA-256 (hashed in the background)
         recorded = json.loads(pq.read_schema(store.shard_path(name)).metadata[b"kivi_ray.settings"])["input_data"]
         data = (tmp_path / f"in/{name}.parquet").read_bytes()
         assert recorded == {"rows": pq.read_metadata(str(tmp_path / f"in/{name}.parquet")).num_rows,
                             "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                            "version": f"mtime {(tmp_path / f'in/{name}.parquet').stat().st_mtime}"}
+                            "version": "mtime {0.st_mtime} ctime {0.st_ctime}".format(
+                                (tmp_path / f"in/{name}.parquet").stat())}
     st = pq.read_table(store.stats_path("b")).to_pylist()
     assert len(st) == 1 and st[0]["shard"] == "b" and st[0]["num_requests"] == 1
     assert st[0]["total_input_tokens"] == 2 and st[0]["total_output_tokens"] == 2
