@@ -28,12 +28,13 @@ def ring_mask(seq_lens: torch.Tensor, nq: torch.Tensor, residual_length: int) ->
 
 def ring_tokens(k_res: torch.Tensor, v_res: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
                 nq: torch.Tensor, residual_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ring_mask [B, R], keys, values [B, H, R, D] fp32, zeros in slots that hold no token) of rows slots[b]
-    (int64, valid for every row)."""
+    """(ring_mask [B, R], keys, values [B, H, R, D] fp32) of rows slots[b] (int64, valid for every row). Values are
+    zeros in slots that hold no token, so that garbage there (NaN, inf) never reaches a product; keys are as they
+    lie, as callers mask those slots' scores to -inf (which also replaces a NaN score): one pass less over the
+    ring, which on the CPU path is most of a short row's attention."""
     ring = ring_mask(seq_lens, nq, residual_length)
-    zero = torch.zeros((), device=k_res.device)
-    k_ring = torch.where(ring[:, None, :, None], k_res[slots].float(), zero)
-    v_ring = torch.where(ring[:, None, :, None], v_res[slots].float(), zero)
+    k_ring = k_res[slots].float()
+    v_ring = v_res[slots].float().masked_fill_(~ring[:, None, :, None], 0.0)
     return ring, k_ring, v_ring
 
 

@@ -29,9 +29,10 @@ def paged_decode_attention(
     n_pages = -(-int(seq_lens.max()) // page_size) if seq_lens.numel() else 0
     pages = gather_pages(block_table, slots, n_pages, k_pages.shape[0])  # [B, n_pages]
     mask = torch.arange(n_pages * page_size, device=q.device)[None, :] < seq_lens[:, None]  # [B, T]
-    zero = torch.zeros((), device=q.device)
-    keys = torch.where(mask[:, None, :, None], pages_to_tokens(k_pages[pages].float()), zero)
-    values = torch.where(mask[:, None, :, None], pages_to_tokens(v_pages[pages].float()), zero)
+    # values zeroed past each row's length (garbage there must not reach a product); keys as they lie: attend masks
+    # those scores to -inf, which also replaces a NaN score
+    keys = pages_to_tokens(k_pages[pages].float())
+    values = pages_to_tokens(v_pages[pages].float()).masked_fill_(~mask[:, None, :, None], 0.0)
     return attend(q, keys, values, mask, sm_scale, out)
 
 
