@@ -70,9 +70,8 @@ def dequantize_groups(
 ) -> torch.Tensor:
     """Inverse of quantize_groups, in fp32: codes [..., N, ...], scale/zero [..., N/G, ...]."""
     dim = dim % codes.dim()
-    scale_f = scale.float().repeat_interleave(group_size, dim=dim)
-    zero_f = zero.float().repeat_interleave(group_size, dim=dim)
-    return codes.float() * scale_f + zero_f
+    grouped = codes.float().unflatten(dim, (-1, group_size))  # [..., N/G, G, ...]: scale/zero broadcast over G
+    return (grouped * scale.float().unsqueeze(dim + 1) + zero.float().unsqueeze(dim + 1)).flatten(dim, dim + 1)
 
 
 def pack_codes(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

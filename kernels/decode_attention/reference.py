@@ -1,8 +1,8 @@
 """PyTorch fp32 reference of decode_attention (same signature as ops.py), the model's CPU path, and of the ring's
 share of it, ring_partial (same signature as ops_ring.py).
 
-Vectorized over the batch: gather every row's pages through the block table, dequantize them with
-kernels/packing.py, append the residual ring, mask what each row does not hold, one softmax.
+Vectorized over the batch: gather the pages of the rows that hold packed tokens through the block table,
+dequantize them with kernels/packing.py, append the residual ring, mask what each row does not hold, one softmax.
 """
 
 from __future__ import annotations
@@ -66,6 +66,23 @@ def pages_to_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d)
 
 
+def _packed_tokens(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, slots, nq, n_pages: int,
+                   k_bits: int, v_bits: int, group_size: int, page_size: int):
+    """(keys, values [b, n_pages, H, P, D] fp32, packed [b, n_pages, P] bool) of rows slots [b] holding nq [b]
+    packed tokens: their first n_pages pages dequantized, scales and zeros of tokens past nq zeroed first."""
+    pages = gather_pages(block_table, slots, n_pages, k_codes.shape[0])  # [b, n_pages]
+    tok = torch.arange(n_pages * page_size, device=nq.device).view(n_pages, page_size)
+    packed = tok[None] < nq[:, None, None]  # [b, n_pages, P]
+    groups = packed[:, :, ::group_size, None, None].transpose(2, 3)  # [b, n_pages, 1, P / G, 1]
+    rows = packed[:, :, None, :, None]  # [b, n_pages, 1, P, 1]
+    zero = torch.zeros((), device=nq.device)
+    keys = dequantize_keys(k_codes[pages], torch.where(groups, k_scale[pages].float(), zero),
+                           torch.where(groups, k_zero[pages].float(), zero), k_bits, group_size)
+    values = dequantize_values(v_codes[pages], torch.where(rows, v_scale[pages].float(), zero),
+                               torch.where(rows, v_zero[pages].float(), zero), v_bits, group_size)
+    return keys, values, packed
+
+
 def decode_attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -115,20 +132,18 @@ def decode_attention(
     nq = quantized_lengths(seq_lens, group_size, residual_length)  # [B]
     n_pages = -(-int(nq.max()) // page_size) if nq.numel() else 0
     qf = q.float().view(batch, kv_heads, q_heads // kv_heads, head_dim)  # GQA: [B, H, QG, D]
-    zero = torch.zeros((), device=q.device)
 
-    # packed tokens [0, n_pages * P) of each row, in page layout [B, n_pages, H, P, D]. Scales and zeros of
-    # tokens past nq are zeroed first (small tensors), so garbage in unused memory never gets through.
-    pages = gather_pages(block_table, slots, n_pages, k_codes.shape[0])  # [B, n_pages]
-    tok = torch.arange(n_pages * page_size, device=q.device).view(n_pages, page_size)
-    packed = tok[None] < nq[:, None, None]  # [B, n_pages, P]
-    groups = packed[:, :, ::group_size, None, None].transpose(2, 3)  # [B, n_pages, 1, P / G, 1]
-    rows = packed[:, :, None, :, None]  # [B, n_pages, 1, P, 1]
-    keys = dequantize_keys(k_codes[pages], torch.where(groups, k_scale[pages].float(), zero),
-                           torch.where(groups, k_zero[pages].float(), zero), k_bits, group_size)
-    values = dequantize_values(v_codes[pages], torch.where(rows, v_scale[pages].float(), zero),
-                               torch.where(rows, v_zero[pages].float(), zero), v_bits, group_size)
-    s_packed = torch.einsum("bhgd,bnhpd->bhgnp", qf, keys).flatten(-2)  # [B, H, QG, n_pages * P]
+    # packed tokens [0, n_pages * P) of the rows that hold any (a batch of short rows is mostly rows of the ring
+    # alone, which skip the dequantization), in page layout [b, n_pages, H, P, D]. Scales and zeros of tokens past
+    # nq are zeroed first (small tensors), so garbage in unused memory never gets through.
+    with_packed = (nq > 0).nonzero().squeeze(1)  # [b] rows
+    keys, values, packed_rows = _packed_tokens(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                               slots[with_packed], nq[with_packed], n_pages, k_bits, v_bits,
+                                               group_size, page_size)
+    packed = torch.zeros((batch, n_pages, page_size), dtype=torch.bool, device=q.device)
+    packed[with_packed] = packed_rows  # [B, n_pages, P]
+    s_packed = torch.zeros((batch, kv_heads, q_heads // kv_heads, n_pages * page_size), device=q.device)
+    s_packed[with_packed] = torch.einsum("bhgd,bnhpd->bhgnp", qf[with_packed], keys).flatten(-2)
 
     # residual ring [R): slot j valid iff it holds a token of [nq, L)
     ring, k_ring, v_ring = ring_tokens(k_res, v_res, slots, seq_lens, nq, residual_length)
@@ -139,8 +154,10 @@ def decode_attention(
     scores = (torch.cat([s_packed, s_ring], dim=-1) * sm_scale).masked_fill_(~mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
     n_packed = n_pages * page_size
-    result = torch.einsum("bhgnp,bnhpd->bhgd", probs[..., :n_packed].unflatten(-1, (n_pages, page_size)), values)
-    result = (result + torch.matmul(probs[..., n_packed:], v_ring)).view(batch, q_heads, head_dim)
+    result = torch.matmul(probs[..., n_packed:], v_ring)  # [B, H, QG, D]
+    result[with_packed] += torch.einsum("bhgnp,bnhpd->bhgd",
+                                        probs[with_packed, ..., :n_packed].unflatten(-1, (n_pages, page_size)), values)
+    result = result.view(batch, q_heads, head_dim)
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
