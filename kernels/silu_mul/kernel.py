@@ -24,8 +24,11 @@ def silu_mul_kernel(
     up = tl.load(gate_ptrs + n_cols, mask=mask, other=0.0).to(tl.float32)
 
     # stage 2: silu(gate) rounded to the input dtype (as transformers' act_fn returns it), then the product
-    # rounded once to the output dtype
-    act = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+    # rounded once to the output dtype. The division is the approximate one (div.full.f32, within 2 ulp of fp32):
+    # the correctly rounded div_rn made the decode step's call compute-bound (8.8 against 3.2 us at 256 rows of
+    # 11,008 on the H200), and after the rounding to 16 bits the outputs matched the reference's in every element
+    act = tl.math.fdiv(gate, 1.0 + tl.exp(-gate), ieee_rounding=False).to(gate_up_ptr.dtype.element_ty)
+    act = act.to(tl.float32)
     out = act * up
     out_ptrs = out_ptr + row_offsets[:, None] * stride_out_row + cols[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)

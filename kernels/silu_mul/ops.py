@@ -34,8 +34,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n_rows = x2.shape[0]
     if n_rows == 0:
         return out
+    # one row a program from BLOCK_N columns up: at the decode step's widths a 4-row tile left the call at a few
+    # programs an SM (40 rows of 11,008: 110 programs, 6.0 us against 2.5 with one row)
     block_n = min(BLOCK_N, triton.next_power_of_2(n_cols))
-    block_m = max(1, min(8, 4096 // block_n, triton.next_power_of_2(n_rows)))
+    block_m = max(1, min(8, BLOCK_N // block_n, triton.next_power_of_2(n_rows)))
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
     silu_mul_kernel[grid](
         gate_up_ptr=x2, out_ptr=out, n_rows=n_rows, n_cols=n_cols,
