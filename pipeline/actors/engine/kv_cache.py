@@ -104,7 +104,7 @@ class EngineCache(PagedKVCache):
         k_buf[:, :, self.chunk_start : end] = key
         v_buf[:, :, self.chunk_start : end] = value
         keys, values = k_buf[:, :, :end], v_buf[:, :, :end]
-        keys.kivi_step = (layer, "prefill")
+        keys.kivi_step = (layer, "chunk")  # attention over the prefix, then the store of [0, end)
         return keys, values
 
     def begin_prefill(self, layer: KiviLayer, attention_mask, key: torch.Tensor):
