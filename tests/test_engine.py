@@ -44,11 +44,22 @@ def test_continuous_batching_matches_generate(tiny, cache_kind):
 
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
 def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
-    """Prompts longer than the prefill budget go through in chunks and give generate()'s tokens."""
+    """Prompts longer than the prefill budget go through in chunks and give generate()'s tokens; transformers
+    builds no mask tensor for a chunk (its attention applies the causal mask over the prefix itself)."""
+    from transformers import AttentionInterface
+
     from pipeline.actors.engine.kv_cache import EngineCache
 
     chunks, set_chunk = [], EngineCache.set_chunk
     monkeypatch.setattr(EngineCache, "set_chunk", lambda self, *a: chunks.append(a[1:3]) or set_chunk(self, *a))
+    attend, chunk_masks = AttentionInterface._global_mapping["kivi"], []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        if getattr(key, "kivi_step", (None, None))[1] == "chunk":
+            chunk_masks.append(attention_mask)
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "kivi", spy)
     reqs = requests([75, 41], [20, 20], seed=9)
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI if cache_kind == "kivi" else None,
                                                            max_prefill_tokens=16, page_size=16))
@@ -57,6 +68,7 @@ def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
         expected, clear = hf_greedy(tiny, req.prompt_token_ids, 20, cache)
         assert clear > 5 and comp.token_ids[: clear + 1] == expected[: clear + 1]
     assert chunks[:5] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 75)]  # the chunked path really ran
+    assert chunk_masks and all(m is None for m in chunk_masks)  # no [T, S] mask built for a chunk
     assert not engine.cache.scratch  # and gave its scratch back
 
 

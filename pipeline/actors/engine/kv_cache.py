@@ -85,9 +85,10 @@ class EngineCache(PagedKVCache):
                              torch.empty(shape, dtype=layer.dtype, device=layer.device)) for _ in self.layers]
         length = torch.tensor([end], dtype=torch.int32, device=slot.device)
         self.set_prefill(slot, torch.zeros_like(length), length)
+        # the layers' seen_tokens stay 0, so transformers sizes its mask as the chunk's alone and, with no padding,
+        # builds none: chunk_attention applies the causal mask over the prefix itself (a [T, S] mask would hold
+        # 512 MiB at 16,384 tokens of a 32,768-token prefix)
         self.mode, self.chunk_start = "chunk", start
-        for layer in self.layers:  # transformers builds the causal mask from the positions already seen
-            layer.seen_tokens = start
 
     def end_chunks(self) -> None:
         """Back to decode mode; the scratch (a bf16 copy of one long prompt's K/V) is given back."""
