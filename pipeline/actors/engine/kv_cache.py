@@ -94,8 +94,6 @@ class EngineCache(PagedKVCache):
         """Back to decode mode; the scratch (a bf16 copy of one long prompt's K/V) is given back."""
         self.mode = "decode"
         self.scratch = []
-        for layer in self.layers:
-            layer.seen_tokens = 0
 
     def update_layer(self, layer: KiviLayer, key: torch.Tensor, value: torch.Tensor):
         if self.mode != "chunk":
