@@ -37,6 +37,10 @@ def kivi_attention_forward(
     if mode in ("prefill", "chunk"):
         if mode == "chunk":
             out = chunk_attention(query, key, value, scaling), None
+        elif attention_mask is not None:  # a padded batch (generate): no cuDNN plans per shape either
+            with sdpa_kernel(_NO_CUDNN):
+                out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                             scaling=scaling, **kwargs)
         else:
             out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, **kwargs)
@@ -46,9 +50,10 @@ def kivi_attention_forward(
     return out.unsqueeze(1), None
 
 
-# cuDNN's attention builds an execution plan for each new shape (~1 s on the H200 with torch 2.11), and each chunk's
-# prefix is a new shape: a long prompt of a length not seen before paid ~1 s of plans for ~0.1 s of prefill
-_CHUNK_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# PyTorch sends masked attention to cuDNN on the H200 (torch 2.11), which builds an execution plan for each new
+# shape: 50-120 ms a shape there, ~1 s for a chunked prompt of a new length (each chunk's prefix is a new shape),
+# where the call itself takes ~0.1 s
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -58,7 +63,7 @@ def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.shape[0] != 1 or key.shape[2] < query.shape[2] or query.shape[1] % key.shape[1]:
         raise ValueError(f"chunk attention takes one row whose keys cover its queries, got query "
                          f"{tuple(query.shape)} and key {tuple(key.shape)}")
-    with sdpa_kernel(_CHUNK_BACKENDS):
+    with sdpa_kernel(_NO_CUDNN):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(
             query.shape[2], key.shape[2]), scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()

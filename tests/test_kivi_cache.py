@@ -134,6 +134,33 @@ def test_left_padding_never_enters_a_group():
             assert diff < 1e-4, f"row {row}: logits differ by {diff}"
 
 
+def test_masked_prefill_runs_with_cudnn_attention_off(monkeypatch):
+    """A left-padded batch's prefill hands SDPA a mask, which PyTorch sends to cuDNN attention on an H200, where
+    each new shape builds a plan (kivi.attention): every masked call runs with cuDNN attention off, unmasked
+    calls keep PyTorch's choice, and the switch is back on afterwards."""
+    model = make_model("llama-gqa3")
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((attn_mask is not None, torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    width = int(torch.randint(40, 90, (), generator=g))
+    ids = torch.randint(1, 97, (2, width), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, : int(torch.randint(1, width - 10, (), generator=g))] = 0
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): kivi.KiviCache(
+            model.config, kivi.KiviConfig(**SMALL_KIVI))}, **kw)
+        model.generate(input_ids=ids[:1], **{cache_kwarg(model): kivi.KiviCache(
+            model.config, kivi.KiviConfig(**SMALL_KIVI))}, **kw)
+    assert sorted(set(calls)) == [(False, True), (True, False)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 def test_reset_cache_serves_a_new_generate_call():
     model = make_model("llama-gqa3")
     cache = kivi.KiviCache(model.config, kivi.KiviConfig(**SMALL_KIVI))
