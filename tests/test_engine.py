@@ -44,14 +44,20 @@ def test_continuous_batching_matches_generate(tiny, cache_kind):
 
 @pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
 def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
-    """Prompts longer than the prefill budget go through in chunks and give generate()'s tokens; transformers
-    builds no mask tensor for a chunk (its attention applies the causal mask over the prefix itself)."""
+    """Prompts longer than the prefill budget go through in chunks and give generate()'s tokens; a prompt's
+    full-precision scratch holds its own length, and transformers builds no mask tensor for a chunk (its attention
+    applies the causal mask over the prefix itself)."""
     from transformers import AttentionInterface
 
     from pipeline.actors.engine.kv_cache import EngineCache
 
     chunks, set_chunk = [], EngineCache.set_chunk
-    monkeypatch.setattr(EngineCache, "set_chunk", lambda self, *a: chunks.append(a[1:3]) or set_chunk(self, *a))
+
+    def spy_chunk(self, *args):
+        set_chunk(self, *args)
+        chunks.append((*args[1:3], self.scratch[0][0].shape[2]))  # (start, end, scratch positions)
+
+    monkeypatch.setattr(EngineCache, "set_chunk", spy_chunk)
     attend, chunk_masks = AttentionInterface._global_mapping["kivi"], []
 
     def spy(module, query, key, value, attention_mask, **kwargs):
@@ -67,7 +73,9 @@ def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
         cache = kivi.KiviCache(tiny.config, SMALL_KIVI) if cache_kind == "kivi" else DynamicCache(config=tiny.config)
         expected, clear = hf_greedy(tiny, req.prompt_token_ids, 20, cache)
         assert clear > 5 and comp.token_ids[: clear + 1] == expected[: clear + 1]
-    assert chunks[:5] == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 75)]  # the chunked path really ran
+    # the chunked path really ran, each prompt's scratch sized to the prompt
+    assert chunks == [(0, 16, 75), (16, 32, 75), (32, 48, 75), (48, 64, 75), (64, 75, 75),
+                      (0, 16, 41), (16, 32, 41), (32, 41, 41)]
     assert chunk_masks and all(m is None for m in chunk_masks)  # no [T, S] mask built for a chunk
     assert not engine.cache.scratch  # and gave its scratch back
 

@@ -42,7 +42,7 @@ def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model
                         dtype=param.dtype, device=param.device)
     blocks = BlockManager(plan.num_slots, plan.num_pages, storage.pages_for)
     graphs = config.cuda_graphs and param.device.type == "cuda"
-    runner = ModelRunner(model, cache, plan.num_slots, use_cuda_graphs=graphs, max_len=max_model_len,
+    runner = ModelRunner(model, cache, plan.num_slots, use_cuda_graphs=graphs,
                          layers=fused, tune_buckets=config.tune_buckets)
     check_headroom(plan, reserved_bytes(param.device), strict=not final)  # the graphs' pool is known now
     return EngineParts(plan, cache, blocks, Scheduler(blocks, config.max_prefill_tokens), runner)

@@ -72,15 +72,17 @@ class EngineCache(PagedKVCache):
         table = self.block_table if table_pages is None else self.block_table[:, :table_pages]
         self.meta = BatchMeta(slots=slots, seq_lens=seq_lens, block_table=table)
 
-    def set_chunk(self, slot: torch.Tensor, start: int, end: int, max_len: int) -> None:
+    def set_chunk(self, slot: torch.Tensor, start: int, end: int, prompt_len: int) -> None:
         """Prefill tokens [start, end) of one long prompt: they attend to [0, end) in full precision.
 
-        slot: [1] int32. Each chunk stores the whole prefix [0, end) again (the same groups give the
-        same codes), so the cache is complete after the last chunk.
+        slot: [1] int32; prompt_len: the prompt's length, which the first chunk sizes the scratch by (a
+        max_model_len-wide scratch would be 16 GiB for Llama-3-8B at 131,072 positions). Each chunk stores the
+        whole prefix [0, end) again (the same groups give the same codes), so the cache is complete after the last
+        chunk.
         """
         if not self.scratch:
             layer = self.layers[0]
-            shape = (1, layer.num_heads, max_len, layer.head_dim)
+            shape = (1, layer.num_heads, prompt_len, layer.head_dim)  # this prompt's, not max_model_len's
             self.scratch = [(torch.empty(shape, dtype=layer.dtype, device=layer.device),
                              torch.empty(shape, dtype=layer.dtype, device=layer.device)) for _ in self.layers]
         length = torch.tensor([end], dtype=torch.int32, device=slot.device)
@@ -98,7 +100,7 @@ class EngineCache(PagedKVCache):
     def update_layer(self, layer: KiviLayer, key: torch.Tensor, value: torch.Tensor):
         if self.mode != "chunk":
             return super().update_layer(layer, key, value)
-        k_buf, v_buf = self.scratch[layer.layer_idx]  # [1, H, max_len, D]
+        k_buf, v_buf = self.scratch[layer.layer_idx]  # [1, H, prompt_len, D]
         end = self.chunk_start + key.shape[2]
         k_buf[:, :, self.chunk_start : end] = key
         v_buf[:, :, self.chunk_start : end] = value

@@ -76,9 +76,8 @@ def route_buckets(buckets: list[int], widths_ms: dict[int, float], margin: float
 
 
 class ModelRunner:
-    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool, max_len: int,
+    def __init__(self, model, cache: EngineCache, max_batch: int, use_cuda_graphs: bool,
                  layers: AbstractContextManager | None = None, tune_buckets: bool = False) -> None:
-        self.max_len = max_len
         self.layers = layers or nullcontext()  # open around every forward (kivi.fused.FusedLayers)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -157,7 +156,7 @@ class ModelRunner:
         try:
             for start in range(0, len(prompt), chunk):
                 end = min(start + chunk, len(prompt))
-                self.cache.set_chunk(slot_t, start, end, self.max_len)
+                self.cache.set_chunk(slot_t, start, end, len(prompt))
                 hidden = self._forward(input_ids=ids[:, start:end],
                                        position_ids=torch.arange(start, end, device=self.device)[None])
         finally:
