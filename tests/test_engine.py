@@ -80,31 +80,6 @@ def test_chunked_prefill_matches_generate(tiny, cache_kind, monkeypatch):
     assert not engine.cache.scratch  # and gave its scratch back
 
 
-@pytest.mark.parametrize("heads", [(4, 4, 64), (8, 2, 128), (9, 3, 64)])
-def test_chunk_attention_matches_a_masked_reference(heads):
-    """A chunk's queries (the prefix's last T positions) against its whole prefix: the bottom-right causal
-    attention equals SDPA with the mask written out and the keys repeated per query head; bad shapes are
-    refused."""
-    from kivi.attention import chunk_attention
-    from tests.model_cases import DEVICE
-
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    hq, h, d = heads
-    t = int(torch.randint(1, 40, (), generator=g))
-    s = t + int(torch.randint(0, 90, (), generator=g))
-    dtype, tol = (torch.bfloat16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-5)
-    q, k, v = (torch.randn(1, n, m, d, generator=g).to(DEVICE, dtype) for n, m in ((hq, t), (h, s), (h, s)))
-    mask = torch.ones(t, s, dtype=torch.bool, device=DEVICE).tril(s - t)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.float(), k.float().repeat_interleave(hq // h, 1), v.float().repeat_interleave(hq // h, 1),
-        attn_mask=mask, scale=0.125).transpose(1, 2)
-    got = chunk_attention(q, k, v, 0.125)
-    assert got.shape == (1, t, hq, d) and got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="keys cover its queries"):
-        chunk_attention(q, k[:, :, : t - 1], v[:, :, : t - 1], 0.125)
-
-
 def test_prefill_batches_group_prompts_of_similar_length(tiny, monkeypatch):
     """Prefill batches are padded to their longest prompt: long and short prompts arriving interleaved must not
     share batches (no row is padded past twice its length, and the total waste is at most the spread of each
