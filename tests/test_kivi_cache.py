@@ -3,7 +3,8 @@
 The strongest check: KIVI logits equal those of a full-precision cache whose older tokens are
 replaced by their quantize-dequantize round trip (a simulation built on kernels/packing.py), so
 the cache implements exactly KIVI's placement of groups, residual and flushes. KIVI's distance
-from full precision is then only what that round trip explains.
+from full precision is then only what that round trip explains. Also the "kivi" attention function's prefill
+paths: a chunk's bottom-right causal attention against a masked reference, and masked prefill kept off cuDNN.
 """
 
 from __future__ import annotations
