@@ -12,16 +12,17 @@ from pipeline.actors.engine import EngineConfig, LLMEngine, Request, SamplingPar
 from tests.engine_cases import SMALL_KIVI, StubTokenizer, gpu_fp32_tokens, gpu_llama, requests
 
 
-def run_with_failing_prefill(engine, monkeypatch, reqs, fails) -> list:
-    """Generate reqs once normally, then again with prefill raising OOM where fails(prompts, call) is true
-    (call counts from 1); asserts the second run's tokens equal the first's. Returns the prompts of each
-    prefill tried."""
+def run_with_failing_prefill(engine, monkeypatch, reqs, fails, same_tokens: bool = True) -> tuple[list, list]:
+    """Generate reqs once normally, then again with prefill raising OOM where fails(prompts, call, chunk_tokens)
+    is true (call counts from 1); asserts the second run's tokens equal the first's (same_tokens). Returns the
+    prompts and the chunk budget of each prefill tried."""
     expected = [c.token_ids for c in engine.generate(reqs)]
-    real_prefill, tried = engine.runner.prefill, []
+    real_prefill, tried, chunks = engine.runner.prefill, [], []
 
     def prefill(prompts, slots, chunk_tokens=None):
         tried.append(prompts)
-        if fails(prompts, len(tried)):
+        chunks.append(chunk_tokens)
+        if fails(prompts, len(tried), chunk_tokens):
             raise torch.OutOfMemoryError("simulated")
         return real_prefill(prompts, slots, chunk_tokens)
 
@@ -29,14 +30,15 @@ def run_with_failing_prefill(engine, monkeypatch, reqs, fails) -> list:
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     engine.reset_stats()
     out = engine.generate(reqs)
-    assert [c.token_ids for c in out] == expected
-    return tried
+    if same_tokens:
+        assert [c.token_ids for c in out] == expected
+    return tried, chunks, out
 
 
 def test_out_of_memory_in_prefill_requeues_the_work(tiny, monkeypatch):
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4))
     reqs = requests([22, 30, 17, 19], [10, 10, 10, 10])  # within 2x of each other: one prefill batch
-    tried = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda prompts, call: call == 1)
+    tried, _, _ = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda prompts, call, _: call == 1)
     calls = [len(p) for p in tried]
     assert engine.stats()["oom_retries"] == 1 and calls[0] == 4 and max(calls[1:]) < 4
 
@@ -47,9 +49,30 @@ def test_prefill_that_keeps_failing_at_a_size_is_not_retried_at_it(tiny, monkeyp
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=8))
     reqs = requests([12] * 24, [3] * 24, seed=5)
     padded_of = lambda prompts: max(map(len, prompts)) * len(prompts)  # noqa: E731
-    tried = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda prompts, call: padded_of(prompts) > 50)
+    tried, _, _ = run_with_failing_prefill(engine, monkeypatch, reqs,
+                                           fails=lambda prompts, call, _: padded_of(prompts) > 50)
     padded = [padded_of(p) for p in tried]
     assert engine.stats()["oom_retries"] == 1 and padded[0] == 96 and max(padded[1:]) <= 48
+
+
+def test_a_long_prompt_out_of_memory_in_chunks_retries_in_smaller_chunks(tiny, monkeypatch):
+    """A lone prompt past the prefill budget whose chunks run out of memory is retried in chunks half as long
+    (its scratch stays, the chunks' activations shrink) and gives the same tokens; one that fails at every chunk
+    size down to MIN_CHUNK_TOKENS becomes an error row naming that size, and the prompts after it still run."""
+    from pipeline.actors.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "MIN_CHUNK_TOKENS", 8)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_prefill_tokens=64))
+    reqs = requests([150], [6], seed=3)
+    _, chunks, _ = run_with_failing_prefill(engine, monkeypatch, reqs, fails=lambda p, call, chunk: chunk > 16)
+    assert chunks == [64, 32, 16] and engine.stats()["oom_retries"] == 2
+
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_prefill_tokens=64))
+    reqs = requests([150, 20], [6, 6], seed=4)
+    _, chunks, out = run_with_failing_prefill(engine, monkeypatch, reqs, same_tokens=False,
+                                              fails=lambda p, call, chunk: len(p[0]) == 150)
+    assert chunks[:4] == [64, 32, 16, 8] and "in chunks of 8 tokens" in out[0].error
+    assert out[1].error is None and len(out[1].token_ids) == 6
 
 
 def test_decode_ahead_drops_the_extra_token_of_rows_that_stop(tiny, monkeypatch):

@@ -20,6 +20,9 @@ from pipeline.actors.engine.request import Completion, Request, Sequence, Submis
 from pipeline.actors.engine.sampler import picker
 
 log = logging.getLogger(__name__)
+# a lone prompt whose chunked prefill runs out of memory is retried in chunks half as long, down to this many tokens
+# (its full-precision scratch stays the same size; each chunk's activations shrink with the chunk)
+MIN_CHUNK_TOKENS = 256
 
 
 class LLMEngine:
@@ -212,13 +215,17 @@ class LLMEngine:
         self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], batch)
 
     def _out_of_memory(self, seqs: list[Sequence], prefill: bool = False) -> None:
-        """Shrink the batch and put the work back in the queue; a lone sequence that fails is an error."""
+        """Shrink the batch and put the work back in the queue. A lone sequence that fails is an error, unless it
+        failed in a chunked prefill whose chunks can still halve (down to MIN_CHUNK_TOKENS)."""
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
-        if len(seqs) == 1 and self.scheduler.prefill_tokens <= len(seqs[0].request.prompt_token_ids):
+        chunk = self.scheduler.prefill_tokens
+        if len(seqs) == 1 and chunk <= len(seqs[0].request.prompt_token_ids) and not (
+                prefill and chunk > MIN_CHUNK_TOKENS):
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
-            self._complete(seqs[0], seqs[0].request.error("CUDA out of memory for this request alone"))
+            alone = f", in chunks of {chunk} tokens" if prefill else ""
+            self._complete(seqs[0], seqs[0].request.error(f"CUDA out of memory for this request alone{alone}"))
             return
         self.scheduler.shrink(seqs, prefill=prefill)
         log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",
