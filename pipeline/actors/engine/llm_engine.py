@@ -220,8 +220,8 @@ class LLMEngine:
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
         chunk = self.scheduler.prefill_tokens
-        if len(seqs) == 1 and chunk <= len(seqs[0].request.prompt_token_ids) and not (
-                prefill and chunk > MIN_CHUNK_TOKENS):
+        lone = len(seqs) == 1 and chunk <= len(seqs[0].request.prompt_token_ids)  # no smaller batch to try
+        if lone and not (prefill and chunk > MIN_CHUNK_TOKENS):
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
             alone = f", in chunks of {chunk} tokens" if prefill else ""
