@@ -8,6 +8,8 @@ KIVI cache fall through to plain SDPA.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,13 +39,10 @@ def kivi_attention_forward(
     if mode in ("prefill", "chunk"):
         if mode == "chunk":
             out = chunk_attention(query, key, value, scaling), None
-        elif attention_mask is not None:  # a padded batch (generate): no cuDNN plans per shape either
-            with sdpa_kernel(_NO_CUDNN):
+        else:  # a padded batch (generate) is masked: no cuDNN plans per shape for it either
+            with sdpa_kernel(_NO_CUDNN) if attention_mask is not None else nullcontext():
                 out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, **kwargs)
-        else:
-            out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                         scaling=scaling, **kwargs)
         layer.cache.store_prefill(layer, key, value, attention_mask)
         return out
     out = layer.cache.attend_decode(layer, query[:, :, 0], scaling)  # [B, Hq, D]
