@@ -29,12 +29,14 @@ HIDDEN = {
     "device_name": pa.string(),
     "actor_start_s": pa.float64(),
     "engine_build_s": pa.float64(),
+    "preemptions": pa.int64(),
 }
 STATS_SCHEMA = pa.schema(
     [
         ("shard", pa.string()),
         ("num_requests", pa.int64()),
         ("num_failed", pa.int64()),
+        ("num_preempted", pa.int64()),
         ("total_input_tokens", pa.int64()),
         ("total_output_tokens", pa.int64()),
         ("elapsed_time_s", pa.float64()),
@@ -91,6 +93,7 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
                 "shard": shard,
                 "num_requests": len(idx),
                 "num_failed": sum(r == "error" for r in pick("finish_reason")),
+                "num_preempted": sum(n > 0 for n in pick(hidden("preemptions"))),
                 "total_input_tokens": sum(n for n, r in zip(pick("num_input_tokens"), pick("finish_reason"),
                                                             strict=True) if r != "error"),  # rows that did not fail
                 "total_output_tokens": out_tokens,
@@ -136,6 +139,7 @@ def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, 
         "actors": len({r["actor_id"] for r in rows}),
         "num_requests": sum(r["num_requests"] for r in rows),
         "num_failed": sum(r["num_failed"] for r in rows),
+        "num_preempted": sum(r["num_preempted"] for r in rows),
         "total_input_tokens": sum(r["total_input_tokens"] for r in rows),
         "total_output_tokens": out_tokens,
         "wall_time_s": round(wall_s, 3),

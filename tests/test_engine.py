@@ -302,3 +302,50 @@ def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
         expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
                                     kivi.KiviCache(tiny.config, SMALL_KIVI))
         assert comp.token_ids[: clear + 1] == expected[: clear + 1], f"{req.request_id} differs"
+
+
+@pytest.mark.parametrize("cache_kind", ["kivi", "bf16"])
+def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, monkeypatch):
+    """Page growth in a cache too small for every sequence's whole length: the newest sequences give their pages
+    back (preemptions) and resume from a prefill of prompt + output. Up to its first preemption a row equals
+    generate() on its prompt; after it, generate() on the prompt and the output so far (a fresh cache of those
+    tokens is what the resumed row attends to). No row is lost, cut or doubled, and the stats count it."""
+    from pipeline.actors.engine import build, scheduler
+    from pipeline.actors.engine.kv_cache import engine_storage
+    from pipeline.actors.engine.memory import CachePlan
+
+    reqs = requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
+                    seed=int(torch.randint(0, 1000, ())))
+    kc = SMALL_KIVI if cache_kind == "kivi" else None
+    config = EngineConfig(kivi=kc, max_batch_size=4, page_size=16)
+    pages_for = engine_storage(config, torch.device("cpu")).pages_for
+    whole = max(pages_for(len(r.prompt_token_ids) + r.sampling.max_new_tokens) for r in reqs)
+    plan = CachePlan(num_slots=4, num_pages=whole + 3, budget_bytes=0, workspace_bytes=0)
+    monkeypatch.setattr(build, "plan_for", lambda *args, **kwargs: plan)
+    points, preempt = {}, scheduler.Scheduler.preempt
+
+    def spy(self, seq):
+        points.setdefault(seq.request.request_id, []).append(len(seq.output))
+        preempt(self, seq)
+
+    monkeypatch.setattr(scheduler.Scheduler, "preempt", spy)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    out = engine.generate(reqs)
+    assert points and engine.stats()["preemptions"] == sum(map(len, points.values())) > 0
+    assert engine.stats()["recomputed_tokens"] == sum(sum(p) for p in points.values())
+    decided = 0
+    for req, comp in zip(reqs, out, strict=True):
+        n = req.sampling.max_new_tokens
+        assert comp.request_id == req.request_id and comp.finish_reason == "length" and len(comp.token_ids) == n
+        assert comp.preemptions == len(points.get(req.request_id, []))
+        cuts = [0, *points.get(req.request_id, []), n]
+        for start, end in zip(cuts, cuts[1:], strict=False):  # each stretch from its own prefill
+            cache = kivi.KiviCache(tiny.config, kc) if kc else DynamicCache(config=tiny.config)
+            expected, clear = hf_greedy(tiny, req.prompt_token_ids + comp.token_ids[:start], n - start, cache)
+            upto = min(end - start, clear + 1)
+            assert comp.token_ids[start: start + upto] == expected[:upto], f"{req.request_id} differs at {start}"
+            decided += upto
+            if upto < end - start:
+                break  # a near-tie: what follows may differ by rounding
+    assert decided > 0.6 * sum(r.sampling.max_new_tokens for r in reqs)
+    assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == plan.num_slots

@@ -81,3 +81,68 @@ def test_warm_up_lengths_follow_the_cache_and_stay_in_the_budget():
     assert EngineConfig(warm_prefill=False).warm_up_lengths(4096, on_cuda=True) == []
     assert EngineConfig(max_prefill_tokens=200).warm_up_lengths(4096, on_cuda=True) == [100, 100]
     assert EngineConfig().warm_up_lengths(50, on_cuda=True) == [49, 49]
+
+
+def _running(sched, prompts: list[int], max_new: int) -> list[Sequence]:
+    """Admit prompts of these lengths through next_prefill, as the engine does, and start them running."""
+    for i, n in enumerate(prompts):
+        sched.add(Sequence.start(i, Request(f"r{i}", [1] * n, SamplingParams(max_new_tokens=max_new)), max_new))
+    batch = sched.next_prefill()
+    sched.start_running(batch)
+    return batch
+
+
+def test_page_growth_admits_the_prefill_and_grows_the_oldest_first_preempting_the_newest():
+    """Scheduler with page growth: a sequence is admitted with the pages of its prefill and GROWTH_LOOKAHEAD more
+    tokens; reserve() tops up the oldest first and, when no page is free, takes the newest running sequence's slot
+    and pages back and queues it first, with its output kept for the prefill that resumes it."""
+    from pipeline.actors.engine.scheduler import GROWTH_LOOKAHEAD, Scheduler
+
+    page = int(torch.randint(GROWTH_LOOKAHEAD, 2 * GROWTH_LOOKAHEAD + 1, ()))
+    pages_for = lambda n: -(-n // page)  # noqa: E731
+    prompt = int(torch.randint(page - GROWTH_LOOKAHEAD + 1, page, ()))  # admitted with 2 pages each
+    first = pages_for(prompt + GROWTH_LOOKAHEAD)
+    assert first == 2
+    blocks = BlockManager(num_slots=3, num_pages=3 * first, pages_for=pages_for)
+    sched = Scheduler(blocks, prefill_tokens=3 * prompt, page_growth=True)
+    a, b, c = _running(sched, [prompt] * 3, max_new=8 * page)
+    assert [len(s.pages) for s in (a, b, c)] == [first] * 3 and not blocks.free_pages
+    assert sched.reserve() == ([], [])  # every row holds GROWTH_LOOKAHEAD tokens past its cached length
+    a.output, b.output = [1] * (first * page - prompt), [1] * (first * page - prompt)  # at their pages' end
+    grown, preempted = sched.reserve()
+    assert grown == [a, b] and preempted == [c]  # c's pages went to a and b, the older ones
+    assert all(blocks.holds(s, s.cached_len + GROWTH_LOOKAHEAD) for s in (a, b))
+    assert c.slot == -1 and c.pages == [] and c.preemptions == 1 and list(sched.waiting) == [c]
+    held = [p for s in (a, b) for p in s.pages] + blocks.free_pages
+    assert sorted(held) == list(range(3 * first))  # no page lost or handed out twice
+    # the newest running row is the one that must grow: it gives its own pages back
+    b.output += [1] * page
+    grown, preempted = sched.reserve()
+    assert (grown, preempted) == ([], [b]) and sched.running == [a] and list(sched.waiting) == [b, c]
+    # a resumed sequence's prefill holds its prompt and output: it is admitted with their pages
+    sched.finish(a)
+    blocks.release(a)
+    assert sched.next_prefill() == [b]
+    assert len(b.pages) == pages_for(b.cached_len + GROWTH_LOOKAHEAD) and b.output
+
+
+def test_without_page_growth_a_sequence_holds_its_whole_length_and_is_never_preempted():
+    from pipeline.actors.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_slots=4, num_pages=40, pages_for=lambda n: -(-n // 8))
+    sched = Scheduler(blocks, prefill_tokens=64)
+    seqs = _running(sched, [5, 9, 3], max_new=int(torch.randint(2, 30, ())))
+    assert [len(s.pages) for s in seqs] == [-(-s.total_len // 8) for s in seqs]
+    for s in seqs:
+        s.output = [1] * (s.max_new_tokens - 1)
+    assert sched.reserve() == ([], []) and all(blocks.holds(s, s.total_len) for s in seqs)
+
+
+def test_block_manager_grows_only_with_free_pages():
+    blocks = BlockManager(num_slots=2, num_pages=5, pages_for=lambda n: -(-n // 4))
+    seq = Sequence.start(0, Request("0", [1] * 3, SamplingParams(max_new_tokens=30)), 30)
+    blocks.admit(seq, tokens=3)
+    assert seq.pages and len(seq.pages) == 1 and blocks.holds(seq, 4) and not blocks.holds(seq, 5)
+    assert blocks.grow(seq, 20) and len(seq.pages) == 5 and not blocks.free_pages
+    assert not blocks.grow(seq, 21) and len(seq.pages) == 5  # nothing taken when too few are free
+    assert blocks.grow(seq, 7) and len(seq.pages) == 5  # holds it already

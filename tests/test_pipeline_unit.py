@@ -122,6 +122,18 @@ def test_shard_stats_take_both_cache_sizes_from_one_call():
     assert (row["kv_cache_bytes"], row["kv_cache_bytes_bf16"]) == (big, 2 * big)
 
 
+def test_shard_stats_and_summary_count_the_preempted_rows():
+    """num_preempted: rows preempted once or more (each row's count is a hidden column from its completion)."""
+    n = random.randint(3, 8)
+    out = fake_actor()(pa.table({"prompt": ["a b"] * n}))
+    assert out[stats.hidden("preemptions")].to_pylist() == [0] * n  # the fake engine's completions: none
+    counts = [random.randint(0, 2) for _ in range(n)]
+    row = stats.shard_stats("s", _with_hidden(out, "preemptions", counts), {"model": "m"})[0]
+    assert row["num_preempted"] == sum(c > 0 for c in counts)
+    assert stats.stats_table([row]).column("num_preempted").to_pylist() == [row["num_preempted"]]
+    assert stats.summarize([row, dict(row, shard="t")], [], 1.0, 0)["num_preempted"] == 2 * row["num_preempted"]
+
+
 def test_actor_reports_its_start_and_the_engines_build_time(tmp_path):
     """Issue 4 needs how long each actor took to start: the loader's time (model load, engine object)
     and the engine's one-time build, carried per row to the per-shard stats."""

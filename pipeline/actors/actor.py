@@ -160,6 +160,7 @@ class GenerateActor:
             "device_name": str(es["device_name"]),
             "actor_start_s": self.start_s,
             "engine_build_s": es.get("build_s"),
+            "preemptions": [c.preemptions if c else 0 for c in done],
         }
         cols.update(stats.hidden_columns(n, hidden))
         out = batch.drop_columns([c for c in CONSUMED_COLUMNS if c in batch.column_names])

@@ -8,8 +8,9 @@ from pipeline.actors.engine.request import Sequence
 class BlockManager:
     """Free lists of cache slots (one per sequence in flight) and pages (its packed tokens).
 
-    A sequence reserves the pages of its whole length (prompt + max_new_tokens) when it is admitted,
-    so a running batch can never run out of cache memory.
+    A sequence takes a slot and the pages of `tokens` when it is admitted: its whole length (prompt +
+    max_new_tokens, the default), so that a running batch never runs out of pages, or less, and then grows
+    (grow) as it decodes (EngineConfig.page_growth; the scheduler preempts sequences when no page is free).
     """
 
     def __init__(self, num_slots: int, num_pages: int, pages_for) -> None:
@@ -18,15 +19,30 @@ class BlockManager:
         self.pages_for = pages_for  # tokens -> pages
         self.num_slots, self.num_pages = num_slots, num_pages
 
-    def can_admit(self, seq: Sequence) -> bool:
-        return bool(self.free_slots) and len(self.free_pages) >= self.pages_for(seq.total_len)
+    def can_admit(self, seq: Sequence, tokens: int | None = None, spare_pages: int = 0) -> bool:
+        """A free slot, and the pages of `tokens` (default: its whole length) with `spare_pages` left over."""
+        need = self.pages_for(seq.total_len if tokens is None else tokens)
+        return bool(self.free_slots) and len(self.free_pages) >= need + spare_pages
 
     def fits_ever(self, seq: Sequence) -> bool:
         return self.pages_for(seq.total_len) <= self.num_pages
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Sequence, tokens: int | None = None) -> None:
         seq.slot = self.free_slots.pop()
-        seq.pages = [self.free_pages.pop() for _ in range(self.pages_for(seq.total_len))]
+        seq.pages = [self.free_pages.pop() for _ in range(self.pages_for(seq.total_len if tokens is None else tokens))]
+
+    def holds(self, seq: Sequence, tokens: int) -> bool:
+        """Whether the sequence's pages hold `tokens` cached tokens."""
+        return self.pages_for(tokens) <= len(seq.pages)
+
+    def grow(self, seq: Sequence, tokens: int) -> bool:
+        """Add free pages to an admitted sequence until they hold `tokens`; False (nothing taken) if too few are
+        free."""
+        need = self.pages_for(tokens) - len(seq.pages)
+        if need > len(self.free_pages):
+            return False
+        seq.pages.extend(self.free_pages.pop() for _ in range(max(0, need)))
+        return True
 
     def release(self, seq: Sequence) -> None:
         if seq.slot >= 0:

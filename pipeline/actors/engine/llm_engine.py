@@ -1,8 +1,10 @@
 """LLMEngine: continuous batching over the paged KIVI (or bf16) cache.
 
 Each loop iteration either prefills newly admitted requests (longest prompts first, as many as have a free
-slot and pages for their whole length, up to a padded-token budget) or runs one decode step for every sequence in
-flight. A finished sequence frees its slot and pages at once, and the next waiting request takes them.
+slot and pages, up to a padded-token budget) or runs decode steps for every sequence in flight. Pages are taken as
+sequences grow (EngineConfig.page_growth); when none is free the newest sequences are preempted and later prefilled
+again from prompt + output. A finished sequence frees its slot and pages at once, and the next waiting request
+takes them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from pipeline.actors.engine.build import allocate_parts
 from pipeline.actors.engine.config import EngineConfig
-from pipeline.actors.engine.memory import build_shrinking, peak_memory_mb
+from pipeline.actors.engine.counters import EngineCounters
+from pipeline.actors.engine.memory import build_shrinking
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
 
@@ -44,7 +47,8 @@ class LLMEngine:
         self.active: list[Submission] = []  # calls of add() with requests still in flight
         self.interrupt: Callable[[], bool] = lambda: False  # True: end a run of decode steps launched ahead
         self.generated_tokens = self.finished_rows = 0  # since the engine was made (live progress)
-        self.reset_stats()
+        self.counters = EngineCounters(self.device)
+        self.stats_acc = self.counters.acc  # totals since the last reset_stats()
 
     # -- set-up ----------------------------------------------------------------------------
     def _build(self, seqs: list[Sequence]) -> None:
@@ -76,8 +80,9 @@ class LLMEngine:
         self.stats_acc["oom_retries"] += retrying
 
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
-        parts = allocate_parts(self.model, self.config, [s.total_len for s in seqs], self.max_model_len,
-                               budget_scale, final)
+        # with page growth a sequence holds, on average over its life, its prompt and half its new tokens
+        lens = [s.prompt_len + (s.max_new_tokens - 1) // 2 if self.config.page_growth else s.total_len for s in seqs]
+        parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
         self.scheduler, self.runner = parts.scheduler, parts.runner
 
@@ -152,7 +157,7 @@ class LLMEngine:
         try:
             for seq in batch:
                 self.cache.set_pages(seq.slot, seq.pages)
-            logits = self.runner.prefill([s.request.prompt_token_ids for s in batch], [s.slot for s in batch],
+            logits = self.runner.prefill([s.prefill_ids for s in batch], [s.slot for s in batch],
                                          chunk_tokens=self.scheduler.prefill_tokens)
         except torch.OutOfMemoryError:
             self._out_of_memory(batch, prefill=True)
@@ -162,15 +167,22 @@ class LLMEngine:
                 self.blocks.release(seq)
             raise
         self.scheduler.start_running(batch)
+        again = sum(len(s.output) for s in batch)  # output tokens prefilled again after a preemption
         self._sample_and_advance(batch, logits)  # reads the first tokens: the prefill's GPU work is done
         self.stats_acc["prefill_s"] += time.perf_counter() - t0
         self.stats_acc["prefill_tokens"] += sum(s.prompt_len for s in batch)
+        self.stats_acc["recomputed_tokens"] += again
 
     def _decode(self) -> None:
         """Decode steps for the running sequences. While no row ends by length, step i+1 is launched from
         step i's tokens on the device before the host reads them, so the host's bookkeeping overlaps the GPU's
         next step. A row that stops early (end of sequence, a stop string) then runs one step too many into
-        its own reserved pages; that token is dropped."""
+        its own pages; that token is dropped. With page growth a run also ends before a row's pages are full, and
+        the next one first gives rows near their pages' end another page (Scheduler.reserve)."""
+        grown, preempted = self.scheduler.reserve()
+        for seq in grown:
+            self.cache.set_pages(seq.slot, seq.pages)
+        self.stats_acc["preemptions"] += len(preempted)
         running = self.scheduler.decode_rows()  # longest first: the kernels' last wave gets the short rows
         if not running:
             return
@@ -189,7 +201,8 @@ class LLMEngine:
                 # launch the next step unless a row ended (the step in flight then drains, for the live rows)
                 # or one ends by length with this step
                 ahead = all(not s.finish_reason and len(s.output) + 1 < s.max_new_tokens for s in running) and (
-                    not self.interrupt())  # new requests wait for this run of steps to end
+                    not self.interrupt()) and (  # new requests wait for this run of steps to end
+                    not self.scheduler.page_growth or all(self.blocks.holds(s, s.cached_len + 1) for s in running))
                 following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
                              if ahead else None)
                 now = self.runner.wait(pending)  # before reading the host copy
@@ -199,20 +212,15 @@ class LLMEngine:
         except torch.OutOfMemoryError:
             # layers that ran already stored this step's token: redo every running sequence from scratch
             # (a partial step must never be flushed into a group), with at most half as many in flight
-            self._count_steps(steps, len(running), t0)  # the steps that did run
+            self.counters.count_steps(steps, len(running), t0)  # the steps that did run
             running = list(self.scheduler.running)
             self.scheduler.max_running = max(1, len(running) // 2)
             self._out_of_memory(running)
             return
         except BaseException:
-            self._count_steps(steps, len(running), t0)  # the steps that ran count, whatever cut the run short
+            self.counters.count_steps(steps, len(running), t0)  # the steps that ran count, whatever cut the run short
             raise
-        self._count_steps(steps, len(running), t0)
-
-    def _count_steps(self, steps: int, batch: int, t0: float) -> None:
-        self.stats_acc["decode_steps"] += steps
-        self.stats_acc["decode_s"] += time.perf_counter() - t0
-        self.stats_acc["max_in_flight"] = max(self.stats_acc["max_in_flight"], batch)
+        self.counters.count_steps(steps, len(running), t0)
 
     def _out_of_memory(self, seqs: list[Sequence], prefill: bool = False) -> None:
         """Shrink the batch and put the work back in the queue. A lone sequence that fails is an error, unless it
@@ -236,7 +244,7 @@ class LLMEngine:
 
     def _advance(self, seqs: list[Sequence], tokens: list[int], now: float) -> None:
         """Row b of `seqs` got tokens[b]; rows that finished at an earlier step are skipped."""
-        self._record_memory()
+        self.counters.record_memory(self.cache, self.scheduler.running, self.active)
         for seq, token in zip(seqs, tokens, strict=True):
             if seq.finish_reason:
                 continue
@@ -262,6 +270,7 @@ class LLMEngine:
             request_id=seq.request.request_id, text=seq.text, token_ids=list(seq.output),
             num_input_tokens=seq.prompt_len, finish_reason=seq.finish_reason,
             ttft_s=seq.t_first - max(seq.submission.t_start, self.ready_at), decode_s=now - seq.t_first,
+            preemptions=seq.preemptions,
         ))
 
     def _complete(self, seq: Sequence, completion: Completion) -> None:
@@ -278,29 +287,12 @@ class LLMEngine:
             sub.on_done(sub)
 
     # -- stats -----------------------------------------------------------------------------
-    def _record_memory(self) -> None:
-        """Peak of the cache's content: packed tokens at their packed size, residual tokens at full
-        precision (pages and slots reserved but not yet filled are free space, not content)."""
-        running = self.scheduler.running
-        held = sum(self.cache.content_bytes(s.cached_len) for s in running)
-        bf16 = sum(s.cached_len for s in running) * self.cache.bf16_token_bytes
-        for peaks in (self.stats_acc, *(sub.peaks for sub in self.active)):  # both sizes from the same moment
-            if held > peaks["kv_cache_bytes"]:
-                peaks["kv_cache_bytes"], peaks["kv_cache_bytes_bf16"] = held, bf16
-
     def reset_stats(self) -> None:
-        self.stats_acc = dict(kv_cache_bytes=0, kv_cache_bytes_bf16=0, decode_steps=0, decode_s=0.0,
-                              prefill_tokens=0, prefill_s=0.0, max_in_flight=0, oom_retries=0, wall_s=0.0)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.counters.reset()
 
     def stats(self) -> dict:
         """Peaks and totals since the last reset_stats()."""
-        max_mb, name = peak_memory_mb(self.device)
-        out = dict(self.stats_acc, max_allocated_mb=max_mb, device_name=name, build_s=self.build_s)
-        if self.runner is not None:
-            out.update(num_slots=self.plan.num_slots, num_pages=self.plan.num_pages)
-        return out
+        return self.counters.snapshot(self.build_s, self.plan if self.runner is not None else None)
 
 
 def _picker(seqs: list[Sequence], device: torch.device):

@@ -127,6 +127,7 @@ class Completion:
     error: str | None = None
     ttft_s: float | None = None
     decode_s: float | None = None
+    preemptions: int = 0  # times its cache was given up for others' and rebuilt by a prefill of prompt + output
 
 
 @dataclass(eq=False)
@@ -157,6 +158,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str | None = None  # set when a stop string cuts the output
     t_first: float | None = None
+    preemptions: int = 0  # times it gave up its cache to older sequences (Scheduler.preempt) and was requeued
 
     @classmethod
     def start(cls, index: int, request: Request, max_new_tokens: int, submission: Submission | None = None
@@ -172,6 +174,12 @@ class Sequence:
     def total_len(self) -> int:
         """Tokens the sequence will occupy in the cache at most (the last token is never fed back)."""
         return self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill of this sequence runs: its prompt, and after a preemption the output so far as well."""
+        ids = self.request.prompt_token_ids
+        return list(ids) + self.output if self.output else ids
 
     @property
     def cached_len(self) -> int:

@@ -12,11 +12,20 @@ from pipeline.actors.engine.request import Sequence
 # last wave (longest-processing-time first); in arrival order the last wave mixes long and short rows, and the
 # step waits for the long ones. False: arrival order (benchmarks' A/B).
 LONGEST_FIRST = True
+# With page growth (EngineConfig.page_growth) a sequence is admitted with the pages of its prefill and this many
+# more tokens, and before each run of decode steps a sequence within this many tokens of its pages' end gets
+# another page: a run of steps launched ahead (LLMEngine._decode) then lasts at least this many steps.
+GROWTH_LOOKAHEAD = 16
+# ... and a sequence is only admitted while this share of all pages stays free for the running ones to grow into
+# (vLLM's watermark), so that a new prompt does not take the page an older sequence needs at its next step
+SPARE_PAGE_SHARE = 0.01
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, prefill_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, prefill_tokens: int, page_growth: bool = False) -> None:
         self.blocks = blocks
+        self.page_growth = page_growth  # pages taken as sequences grow, and preemption when none is free
+        self.spare_pages = int(SPARE_PAGE_SHARE * blocks.num_pages) if page_growth else 0
         self.max_prefill_tokens = prefill_tokens
         # padded tokens per prefill forward: halved on an OOM, then regrows up to max_prefill_tokens, which a
         # prefill OOM lowers to half the size that failed
@@ -35,18 +44,54 @@ class Scheduler:
         """Admit waiting sequences in order while they fit; their padded batch stays under the budget, and no
         prompt in it is under half the batch's longest."""
         batch: list[Sequence] = []
-        while self.waiting and self.blocks.can_admit(self.waiting[0]) and (
+        while self.waiting and self.blocks.can_admit(self.waiting[0], self._admitted_len(self.waiting[0]),
+                                                     self.spare_pages) and (
             len(self.running) + len(batch) < self.max_running
         ):
             seq = self.waiting[0]
-            lengths = [s.prompt_len for s in batch] + [seq.prompt_len]
+            lengths = [s.cached_len for s in batch] + [seq.cached_len]  # prefill lengths (prompt + any output)
             if batch and max(lengths) * len(lengths) > self.prefill_tokens:
                 break
             if batch and 2 * min(lengths) < max(lengths):  # a row padded past twice its length: the engine queues
                 break  # prompts longest first, so the next batch takes this one soon
-            self.blocks.admit(self.waiting.popleft())
+            self.blocks.admit(self.waiting.popleft(), self._admitted_len(seq))
             batch.append(seq)
         return batch
+
+    def _admitted_len(self, seq: Sequence) -> int | None:
+        """Tokens whose pages a sequence takes when admitted: its whole length (None), or with page growth its
+        prefill's (prompt and any output before a preemption) and GROWTH_LOOKAHEAD more."""
+        return min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD) if self.page_growth else None
+
+    def reserve(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Before a run of decode steps, with page growth: each running sequence (oldest first) that holds fewer
+        than GROWTH_LOOKAHEAD tokens past its cached length gets pages for them; when too few pages are free, the
+        newest running sequences are preempted (it may be the growing one itself). Returns (grown, preempted)."""
+        grown: list[Sequence] = []
+        preempted: list[Sequence] = []
+        if not self.page_growth:
+            return grown, preempted
+        for seq in list(self.running):  # admission order
+            target = min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD)
+            if seq.slot < 0 or self.blocks.holds(seq, target):
+                continue  # preempted just now, or room enough
+            while not self.blocks.grow(seq, target):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                grown.append(seq)
+        return grown, preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence's slot and pages back and queue it first; it keeps its output, and its next
+        prefill runs prompt + output (Sequence.prefill_ids) to rebuild the cache (vLLM's recompute preemption)."""
+        self.blocks.release(seq)
+        self.running.remove(seq)
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def start_running(self, batch: list[Sequence]) -> None:
         """A prefill went through: its sequences run, and a budget cut by an OOM regrows step by step."""
