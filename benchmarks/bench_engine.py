@@ -164,6 +164,9 @@ def parse_args(argv=None):
     p.add_argument("--no-decode-ahead", action="store_true", help="EngineConfig.decode_ahead=False")
     p.add_argument("--separate-projections", action="store_true", help="EngineConfig.fused_projections=False")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-early", action="store_true", help="engine systems: every request asks for the "
+                   "workload's most new tokens and each row stops at its own count, as an EOS would end it (random "
+                   "weights never say EOS): what a row reserves without page growth is then more than it uses (d)")
     p.add_argument("--quick", action="store_true", help="first device run: workloads b,e at 40 GiB on llama2-7b, "
                    "all systems, modest prompt counts, ~6 minutes")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny random Llama on the CPU, tiny workloads")
@@ -187,6 +190,7 @@ class Context:
     hf_batch: int = 0  # force the static batch size (0: from bytes)
     cpu_cache_gib: float = 1.0
     kivi_kw: dict | None = None  # KiviConfig overrides (smoke only)
+    stop_early: bool = False  # engine rows ask for the workload's most new tokens and stop at their own (an EOS)
 
 
 def load_model(name: str, shape: dict, device: torch.device, header: dict):
@@ -259,7 +263,7 @@ def main(argv=None) -> dict:
                   cuda_graphs=not args.no_cuda_graphs, fused_layers=not args.no_fused_layers,
                   decode_ahead=not args.no_decode_ahead, fused_projections=not args.separate_projections,
                   cpu_cache_gib=0.05 if smoke else 1.0,
-                  kivi_kw=dict(SMOKE_KIVI) if smoke else {}, hf_batch=args.hf_batch)
+                  kivi_kw=dict(SMOKE_KIVI) if smoke else {}, hf_batch=args.hf_batch, stop_early=args.stop_early)
     log(f"bench_engine on {header['gpu']}: torch {header['torch']}, transformers {header['transformers']}, "
         f"triton {header['triton']}; copy bandwidth {bw['gbs']:.0f} GB/s; results -> {out_path}")
     log(TABLE_HEAD)

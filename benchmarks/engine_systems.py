@@ -190,8 +190,12 @@ def _run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, 
                            cuda_graphs=ctx.cuda_graphs, fused_layers=ctx.fused_layers, decode_ahead=ctx.decode_ahead,
                            fused_projections=ctx.fused_projections, cpu_cache_gib=ctx.cpu_cache_gib)
     tokenizer = StubTokenizer()
-    engine = LLMEngine(model, tokenizer, config)
-    requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=p.new_tokens)) for i, p in enumerate(prompts)]
+    most = max(p.new_tokens for p in prompts)
+    asked = [most if ctx.stop_early else p.new_tokens for p in prompts]
+    engine = (_stopping_engine({f"r{i}": p.new_tokens for i, p in enumerate(prompts)}) if ctx.stop_early
+              else LLMEngine)(model, tokenizer, config)
+    requests = [Request(f"r{i}", p.ids, SamplingParams(max_new_tokens=n)) for i, (p, n) in
+                enumerate(zip(prompts, asked, strict=True))]
     t0 = time.perf_counter()
     prebuilt = build_engine(engine, requests)
     build_retries = engine.stats().get("oom_retries", 0)  # builds redone for memory (before the warm-up's prefill)
@@ -246,6 +250,22 @@ def _run_engine(model, system: str, prompts: list[Prompt], cap_gib: float, ctx, 
     )
     del engine, completions
     return rec
+
+
+def _stopping_engine(stop_at: dict[str, int]):
+    """An LLMEngine whose rows end after stop_at[request_id] tokens, as a model's EOS would end them (bench_engine
+    --stop-early; random weights never say EOS), while their requests ask for more."""
+    from pipeline.actors.engine import LLMEngine
+
+    class StoppingEngine(LLMEngine):
+        def _advance(self, seqs, tokens, now):
+            super()._advance(seqs, tokens, now)
+            for seq in seqs:
+                if not seq.finish_reason and len(seq.output) >= stop_at.get(seq.request.request_id, 1 << 30):
+                    seq.finish_reason = "stop"
+                    self._finish(seq, now)
+
+    return StoppingEngine
 
 
 def _routes(engine) -> dict:

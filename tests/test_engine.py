@@ -317,7 +317,7 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
     reqs = requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
                     seed=int(torch.randint(0, 1000, ())))
     kc = SMALL_KIVI if cache_kind == "kivi" else None
-    config = EngineConfig(kivi=kc, max_batch_size=4, page_size=16)
+    config = EngineConfig(kivi=kc, max_batch_size=4, page_size=16, page_growth=True)
     pages_for = engine_storage(config, torch.device("cpu")).pages_for
     whole = max(pages_for(len(r.prompt_token_ids) + r.sampling.max_new_tokens) for r in reqs)
     plan = CachePlan(num_slots=4, num_pages=whole + 3, budget_bytes=0, workspace_bytes=0)
@@ -332,7 +332,10 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
     engine = LLMEngine(tiny, StubTokenizer(), config)
     out = engine.generate(reqs)
     assert points and engine.stats()["preemptions"] == sum(map(len, points.values())) > 0
-    assert engine.stats()["recomputed_tokens"] == sum(sum(p) for p in points.values())
+    prompts = {r.request_id: len(r.prompt_token_ids) for r in reqs}
+    again = sum(prompts[rid] + k for rid, ks in points.items() for k in ks)  # each resume prefills prompt + output
+    assert engine.stats()["recomputed_tokens"] == again
+    assert engine.stats()["prefill_tokens"] == sum(prompts.values()) + again
     decided = 0
     for req, comp in zip(reqs, out, strict=True):
         n = req.sampling.max_new_tokens

@@ -216,3 +216,35 @@ def test_fused_projections_on_a_gpu_keep_the_tokens():
         q_proj = engine.model.model.layers[0].self_attn.q_proj
         assert hasattr(q_proj, "_kivi_fused") == fused  # one product, or three
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA graphs, block tables grown between runs")
+def test_page_growth_on_a_gpu_preempts_and_keeps_the_tokens(monkeypatch):
+    """EngineConfig.page_growth under CUDA graphs and steps launched ahead, in a cache of too few pages for every
+    row's whole length: rows are preempted and resumed, and an fp32 model over the full-precision cache gives the
+    greedy tokens of the run that reserves whole lengths (a resumed row's prefill stores what its decode steps
+    stored, up to fp32 rounding). Over the 2-bit cache every row still ends at its length, and no page leaks."""
+    from pipeline.actors.engine import build
+    from pipeline.actors.engine.memory import CachePlan
+
+    reqs = requests([150, 300, 40, 220, 90], [40, 25, 60, 30, 50], seed=int(torch.randint(0, 1000, ())))
+    expected, _ = gpu_fp32_tokens(reqs, max_batch_size=4)
+    plan_for = build.plan_for
+
+    def few_pages(model, storage, config, *args, **kwargs):
+        plan = plan_for(model, storage, config, *args, **kwargs)  # the real plan's workspace, for the graphs
+        most = max(storage.pages_for(len(r.prompt_token_ids) + r.sampling.max_new_tokens) for r in reqs)
+        return CachePlan(num_slots=4, num_pages=most + 2, budget_bytes=plan.budget_bytes,
+                         workspace_bytes=plan.workspace_bytes)
+
+    monkeypatch.setattr(build, "plan_for", few_pages)
+    tokens, engine = gpu_fp32_tokens(reqs, max_batch_size=4, page_growth=True)
+    assert engine.stats()["preemptions"] > 0 and tokens == expected
+    model = gpu_llama(torch.bfloat16, kv_heads=2, seed=3)
+    config = EngineConfig(kivi=kivi.KiviConfig(backend="triton"), max_batch_size=4, memory_limit_gib=4.0,
+                          page_growth=True)
+    engine = LLMEngine(model, StubTokenizer(), config)
+    out = engine.generate(reqs)
+    assert [len(c.token_ids) for c in out] == [r.sampling.max_new_tokens for r in reqs]
+    assert engine.stats()["preemptions"] > 0 and sum(c.preemptions for c in out) == engine.stats()["preemptions"]
+    assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == 4

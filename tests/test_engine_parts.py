@@ -130,6 +130,7 @@ def test_without_page_growth_a_sequence_holds_its_whole_length_and_is_never_pree
     from pipeline.actors.engine.scheduler import Scheduler
 
     blocks = BlockManager(num_slots=4, num_pages=40, pages_for=lambda n: -(-n // 8))
+    assert EngineConfig().page_growth is False  # the default
     sched = Scheduler(blocks, prefill_tokens=64)
     seqs = _running(sched, [5, 9, 3], max_new=int(torch.randint(2, 30, ())))
     assert [len(s.pages) for s in seqs] == [-(-s.total_len // 8) for s in seqs]

@@ -47,6 +47,7 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
         gpu_memory_utilization=job.gpu_memory_utilization * min(1.0, job.gpus_per_actor),
         max_batch_size=job.max_batch_size,
         max_model_len=job.max_model_len,
+        page_growth=job.page_growth,
     )
     return LLMEngine(hf_model, tokenizer, config), tokenizer
 

@@ -18,11 +18,13 @@ class EngineConfig:
     max_model_len: int | None = None
     max_prefill_tokens: int = 16384
     page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
-    # pages taken as a sequence grows, as in vLLM: a sequence is admitted with its prefill's pages, and when a step
-    # finds none free the newest sequences give theirs back and are prefilled again later from prompt + output
-    # (preemptions, in the stats); the plan sizes its slots for sequences halfway through their new tokens. False:
-    # each sequence reserves its whole length (prompt + max_new_tokens) at admission and is never preempted.
-    page_growth: bool = True
+    # False: a sequence reserves the pages of its whole length (prompt + max_new_tokens) when admitted and is never
+    # preempted. True: pages are taken as it grows, as in vLLM; the plan sizes its slots for sequences halfway
+    # through their new tokens, and when a step finds no page free the newest sequences give theirs back and are
+    # prefilled again later from prompt + output (preemptions, in the stats). For jobs whose rows stop (EOS, stop
+    # strings) well before max_new_tokens; on rows that run to it (the H200, workload b) it lost 6-7% to the
+    # prefills it ran again (engine-20261202-h200-page-growth-b.json).
+    page_growth: bool = False
     cuda_graphs: bool = True
     tune_buckets: bool = True  # with cuda_graphs: time wider graphs and run a bucket in the fastest (model_runner)
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)

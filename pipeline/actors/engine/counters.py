@@ -10,7 +10,9 @@ from pipeline.actors.engine.memory import peak_memory_mb
 
 
 class EngineCounters:
-    """`acc` holds the totals (the same dict across resets, so holders of it stay current)."""
+    """`acc` holds the totals (the same dict across resets, so holders of it stay current). prefill_tokens counts
+    every token prefilled, recomputed_tokens those of them prefilled again (prompt and output) after a
+    preemption."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

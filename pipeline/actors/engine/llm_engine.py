@@ -167,11 +167,11 @@ class LLMEngine:
                 self.blocks.release(seq)
             raise
         self.scheduler.start_running(batch)
-        again = sum(len(s.output) for s in batch)  # output tokens prefilled again after a preemption
+        lengths = [(s.cached_len, len(s.output)) for s in batch]  # prefilled, and of them output (a preempted row)
         self._sample_and_advance(batch, logits)  # reads the first tokens: the prefill's GPU work is done
         self.stats_acc["prefill_s"] += time.perf_counter() - t0
-        self.stats_acc["prefill_tokens"] += sum(s.prompt_len for s in batch)
-        self.stats_acc["recomputed_tokens"] += again
+        self.stats_acc["prefill_tokens"] += sum(n for n, _ in lengths)
+        self.stats_acc["recomputed_tokens"] += sum(n for n, out in lengths if out)  # prefilled before, then preempted
 
     def _decode(self) -> None:
         """Decode steps for the running sequences. While no row ends by length, step i+1 is launched from
