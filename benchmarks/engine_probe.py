@@ -107,15 +107,10 @@ def build_engine(engine, requests) -> bool:
     """Plan and allocate the cache and capture the graphs for exactly these requests, as the first
     generate() call would, so that the timed generate() holds no set-up. False if the engine's private
     _build is not there (then the set-up happens inside the timed call)."""
-    from pipeline.actors.engine.request import Sequence
-
     if not hasattr(engine, "_build"):
         return False
-    seqs = []
-    for index, request in enumerate(requests):
-        room = engine.max_model_len - len(request.prompt_token_ids)
-        seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room)))
-    engine._build(seqs)
+    # the engine's own sequences (their growth too: a plan for whole lengths would be another engine's)
+    engine._build([engine.sequence(index, request) for index, request in enumerate(requests)])
     return True
 
 
@@ -126,7 +121,7 @@ VARIANTS = {
     "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
     "model-scales": dict(),  # KIVI scales and zeros in the model's dtype (KIVI_VARIANTS)
     "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
-    "grow": dict(page_growth=True),  # pages taken as sequences grow, with recompute preemption
+    "grow": dict(page_growth=True),  # rows that may stop early take pages as they grow (--stop-early makes them)
     "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
     "prefill4k": dict(max_prefill_tokens=4096),
     "chunk-store": dict(),  # the decode store with a program per chunk at every head count (KERNEL_VARIANTS)

@@ -258,6 +258,10 @@ def _stopping_engine(stop_at: dict[str, int]):
     from pipeline.actors.engine import LLMEngine
 
     class StoppingEngine(LLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.eos_ids = self.eos_ids or {-1}  # an EOS no row writes: rows may stop early (page growth holds them)
+
         def _advance(self, seqs, tokens, now):
             super()._advance(seqs, tokens, now)
             for seq in seqs:

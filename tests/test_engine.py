@@ -309,13 +309,18 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
     """Page growth in a cache too small for every sequence's whole length: the newest sequences give their pages
     back (preemptions) and resume from a prefill of prompt + output. Up to its first preemption a row equals
     generate() on its prompt; after it, generate() on the prompt and the output so far (a fresh cache of those
-    tokens is what the resumed row attends to). No row is lost, cut or doubled, and the stats count it."""
+    tokens is what the resumed row attends to). No row is lost, cut or doubled, and the stats count it. (Rows grow
+    where they may stop early: here a stop string the stub tokenizer never writes. INITIAL_SHARE 0: admitted by
+    their prefill's pages alone until a row has finished.)"""
     from pipeline.actors.engine import build, scheduler
     from pipeline.actors.engine.kv_cache import engine_storage
     from pipeline.actors.engine.memory import CachePlan
 
-    reqs = requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
-                    seed=int(torch.randint(0, 1000, ())))
+    reqs = [Request(r.request_id, r.prompt_token_ids, SamplingParams(max_new_tokens=r.sampling.max_new_tokens,
+                                                                     stop=("@",)))
+            for r in requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
+                              seed=int(torch.randint(0, 1000, ())))]
+    monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)
     kc = SMALL_KIVI if cache_kind == "kivi" else None
     config = EngineConfig(kivi=kc, max_batch_size=4, page_size=16, page_growth=True)
     pages_for = engine_storage(config, torch.device("cpu")).pages_for
@@ -352,3 +357,32 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
                 break  # a near-tie: what follows may differ by rounding
     assert decided > 0.6 * sum(r.sampling.max_new_tokens for r in reqs)
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == plan.num_slots
+
+
+def test_rows_grow_where_they_may_stop_early(tiny):
+    """With page_growth a row takes pages as it grows where it may stop early: the model has an EOS
+    that the row does not ignore, or the row has a stop string. Rows that run to max_new_tokens (ignore_eos, or no
+    EOS at all) reserve their whole length, as every row does with page_growth off (the default)."""
+    from pipeline.actors.engine.request import Sequence
+
+    seen, start = [], Sequence.start
+
+    def spy(*args, **kwargs):
+        seen.append(start(*args, **kwargs))
+        return seen[-1]
+
+    def grows(config, eos: set, **sampling) -> list[bool]:
+        engine = LLMEngine(tiny, StubTokenizer(), config)
+        engine.eos_ids = eos  # ids the model never writes (its vocabulary is smaller): rows still run to length
+        seen.clear()
+        engine.generate([Request("r", list(range(1, 9)), SamplingParams(max_new_tokens=4, **sampling))])
+        return [s.grows for s in seen]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Sequence, "start", staticmethod(spy))
+        on = EngineConfig(page_growth=True)
+        assert grows(on, {10**6}) == [True]
+        assert grows(on, {10**6}, ignore_eos=True) == [False]
+        assert grows(on, set()) == [False]
+        assert grows(on, set(), stop=("@",)) == [True]
+        assert EngineConfig().page_growth is False and grows(EngineConfig(), {10**6}, stop=("@",)) == [False]

@@ -224,13 +224,18 @@ def test_page_growth_on_a_gpu_preempts_and_keeps_the_tokens(monkeypatch):
     row's whole length: rows are preempted and resumed, and an fp32 model over the full-precision cache gives the
     greedy tokens of the run that reserves whole lengths (a resumed row's prefill stores what its decode steps
     stored, up to fp32 rounding). Over the 2-bit cache every row still ends at its length, and no page leaks."""
-    from pipeline.actors.engine import build
+    from pipeline.actors.engine import build, scheduler
     from pipeline.actors.engine.memory import CachePlan
 
     # prompts a little under a 128-token page, new tokens that cross into the next: each row needs a page more than
     # it was admitted with (KIVI's ring of 128 holds the first page's worth), and the cache holds 2 more than one row
-    reqs = requests(torch.randint(90, 112, (5,)).tolist(), torch.randint(50, 80, (5,)).tolist(),
-                    seed=int(torch.randint(0, 1000, ())))
+    # (rows grow where they may stop early: here a stop string the stub tokenizer never writes; INITIAL_SHARE 0:
+    # admitted by their prefill's pages alone until a row has finished)
+    reqs = [Request(r.request_id, r.prompt_token_ids, SamplingParams(max_new_tokens=r.sampling.max_new_tokens,
+                                                                     stop=("@",)))
+            for r in requests(torch.randint(90, 112, (5,)).tolist(), torch.randint(50, 80, (5,)).tolist(),
+                              seed=int(torch.randint(0, 1000, ())))]
+    monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)
     expected, _ = gpu_fp32_tokens(reqs, max_batch_size=4)
     plan_for = build.plan_for
 

@@ -3,6 +3,8 @@ build's retries: test_engine_memory.py; sampling parameters and the sampler: tes
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -83,20 +85,27 @@ def test_warm_up_lengths_follow_the_cache_and_stay_in_the_budget():
     assert EngineConfig().warm_up_lengths(50, on_cuda=True) == [49, 49]
 
 
-def _running(sched, prompts: list[int], max_new: int) -> list[Sequence]:
-    """Admit prompts of these lengths through next_prefill, as the engine does, and start them running."""
+def _running(sched, prompts: list[int], max_new: int, grows: bool = False) -> list[Sequence]:
+    """Queue prompts of these lengths, admit them through next_prefill as the engine does, and start those admitted
+    running."""
     for i, n in enumerate(prompts):
-        sched.add(Sequence.start(i, Request(f"r{i}", [1] * n, SamplingParams(max_new_tokens=max_new)), max_new))
+        seq = Sequence.start(i, Request(f"r{i}", [1] * n, SamplingParams(max_new_tokens=max_new)), max_new)
+        seq.grows = grows
+        sched.add(seq)
     batch = sched.next_prefill()
     sched.start_running(batch)
     return batch
 
 
-def test_page_growth_admits_the_prefill_and_grows_the_oldest_first_preempting_the_newest():
-    """Scheduler with page growth: a sequence is admitted with the pages of its prefill and GROWTH_LOOKAHEAD more
+def test_page_growth_admits_the_prefill_and_grows_the_oldest_first_preempting_the_newest(monkeypatch):
+    """Scheduler over growing sequences: one is admitted with the pages of its prefill and GROWTH_LOOKAHEAD more
     tokens; reserve() tops up the oldest first and, when no page is free, takes the newest running sequence's slot
-    and pages back and queues it first, with its output kept for the prefill that resumes it."""
+    and pages back and queues it first, with its output kept for the prefill that resumes it. (No finished row
+    has set the share of new tokens a row uses yet: INITIAL_SHARE 0 admits by the prefill's pages alone.)"""
+    from pipeline.actors.engine import scheduler
     from pipeline.actors.engine.scheduler import GROWTH_LOOKAHEAD, Scheduler
+
+    monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)
 
     page = int(torch.randint(GROWTH_LOOKAHEAD, 2 * GROWTH_LOOKAHEAD + 1, ()))
     pages_for = lambda n: -(-n // page)  # noqa: E731
@@ -104,8 +113,8 @@ def test_page_growth_admits_the_prefill_and_grows_the_oldest_first_preempting_th
     first = pages_for(prompt + GROWTH_LOOKAHEAD)
     assert first == 2
     blocks = BlockManager(num_slots=3, num_pages=3 * first, pages_for=pages_for)
-    sched = Scheduler(blocks, prefill_tokens=3 * prompt, page_growth=True)
-    a, b, c = _running(sched, [prompt] * 3, max_new=8 * page)
+    sched = Scheduler(blocks, prefill_tokens=3 * prompt)
+    a, b, c = _running(sched, [prompt] * 3, max_new=8 * page, grows=True)
     assert [len(s.pages) for s in (a, b, c)] == [first] * 3 and not blocks.free_pages
     assert sched.reserve() == ([], [])  # every row holds GROWTH_LOOKAHEAD tokens past its cached length
     a.output, b.output = [1] * (first * page - prompt), [1] * (first * page - prompt)  # at their pages' end
@@ -126,11 +135,10 @@ def test_page_growth_admits_the_prefill_and_grows_the_oldest_first_preempting_th
     assert len(b.pages) == pages_for(b.cached_len + GROWTH_LOOKAHEAD) and b.output
 
 
-def test_without_page_growth_a_sequence_holds_its_whole_length_and_is_never_preempted():
+def test_a_sequence_that_does_not_grow_holds_its_whole_length_and_is_never_preempted():
     from pipeline.actors.engine.scheduler import Scheduler
 
     blocks = BlockManager(num_slots=4, num_pages=40, pages_for=lambda n: -(-n // 8))
-    assert EngineConfig().page_growth is False  # the default
     sched = Scheduler(blocks, prefill_tokens=64)
     seqs = _running(sched, [5, 9, 3], max_new=int(torch.randint(2, 30, ())))
     assert [len(s.pages) for s in seqs] == [-(-s.total_len // 8) for s in seqs]
@@ -147,3 +155,34 @@ def test_block_manager_grows_only_with_free_pages():
     assert blocks.grow(seq, 20) and len(seq.pages) == 5 and not blocks.free_pages
     assert not blocks.grow(seq, 21) and len(seq.pages) == 5  # nothing taken when too few are free
     assert blocks.grow(seq, 7) and len(seq.pages) == 5  # holds it already
+
+
+def test_growing_sequences_are_admitted_while_their_projected_pages_fit():
+    """A growing sequence is admitted only while the pages that it and the growing ones in flight are projected to
+    end with still fit: at first as if each reserved its whole length; once rows have finished, at the mean share
+    of max_new_tokens they generated."""
+    from pipeline.actors.engine.scheduler import Scheduler
+
+    page, prompt, max_new = 8, 8, int(torch.randint(40, 80, ()))
+    pages_for = lambda n: -(-n // page)  # noqa: E731
+    whole = pages_for(prompt + max_new - 1)
+    blocks = BlockManager(num_slots=64, num_pages=4 * whole + 2, pages_for=pages_for)  # 2: no room for a fifth
+    sched = Scheduler(blocks, prefill_tokens=10**6)
+    assert sched.spare_pages == 0 and sched.used_share == 1.0
+    first = _running(sched, [prompt] * 8, max_new, grows=True)
+    assert len(first) == 4  # whole lengths, though each took only its prefill's pages
+    assert all(len(s.pages) == pages_for(prompt + 16) for s in first) and len(sched.waiting) == 4
+    share = float(torch.empty(()).uniform_(0.1, 0.4))
+    for seq in first[:2]:  # two rows stop early: their pages come back and the share falls
+        seq.output = [1] * math.ceil(share * max_new)
+        seq.finish_reason = "stop"
+        sched.finish(seq)
+        blocks.release(seq)
+    assert sched.used_share == pytest.approx(math.ceil(share * max_new) / max_new)
+    more = sched.next_prefill()
+    # every growing row, running or new, is projected to end at this many pages (at least 16 tokens past its prompt)
+    projected = pages_for(max(prompt + math.ceil(sched.used_share * max_new), prompt + 16))
+    # the i-th new one fits while (2 running + i admitted + itself) x projected <= all pages: (3 + i) p <= 4w + 2
+    assert len(more) == min(4, (4 * whole + 2) // projected - 2) and len(more) > 2  # more than came back
+    seq = Sequence.start(99, Request("x", [1] * prompt, SamplingParams(max_new_tokens=max_new)), max_new)
+    assert sched._fits(seq, []) == (len(blocks.free_pages) >= whole)  # a row that does not grow: its whole length

@@ -45,7 +45,7 @@ def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model
     runner = ModelRunner(model, cache, plan.num_slots, use_cuda_graphs=graphs,
                          layers=fused, tune_buckets=config.tune_buckets)
     check_headroom(plan, reserved_bytes(param.device), strict=not final)  # the graphs' pool is known now
-    return EngineParts(plan, cache, blocks, Scheduler(blocks, config.max_prefill_tokens, config.page_growth), runner)
+    return EngineParts(plan, cache, blocks, Scheduler(blocks, config.max_prefill_tokens), runner)
 
 
 def fused_layers(model, config: EngineConfig, device: torch.device) -> FusedLayers | None:

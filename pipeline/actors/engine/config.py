@@ -18,12 +18,16 @@ class EngineConfig:
     max_model_len: int | None = None
     max_prefill_tokens: int = 16384
     page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
-    # False: a sequence reserves the pages of its whole length (prompt + max_new_tokens) when admitted and is never
-    # preempted. True: pages are taken as it grows, as in vLLM; the plan sizes its slots for sequences halfway
-    # through their new tokens, and when a step finds no page free the newest sequences give theirs back and are
-    # prefilled again later from prompt + output (preemptions, in the stats). For jobs whose rows stop (EOS, stop
-    # strings) well before max_new_tokens; on rows that run to it (the H200, workload b) it lost 6-7% to the
-    # prefills it ran again (engine-20261202-h200-page-growth-b.json).
+    # True: a sequence that may stop early (an EOS it does not ignore, or a stop string) takes pages as it grows, as
+    # in vLLM; the plan sizes its slots for such sequences halfway through their new tokens, a growing sequence is
+    # admitted while the growing ones in flight are projected to fit (at the share of max_new_tokens that finished
+    # rows generated), and when a step finds no page free the newest sequences give theirs back and are prefilled
+    # again later from prompt + output (preemptions, in the stats). Sequences that cannot stop early (ignore_eos, or
+    # a model without EOS, as in the benchmarks) reserve their whole length, as every sequence does when False.
+    # Off by default: the first form (admission by the prefill's pages alone) was measured on the H200 (lost 6-7% on
+    # workload b, whose rows all run to max_new_tokens; gained 4-11% with EOS-like stops,
+    # engine-20261202-h200-page-growth-*.json); this form, which never grows such rows and admits by projection, is
+    # tested on the CPU and not yet measured there.
     page_growth: bool = False
     cuda_graphs: bool = True
     tune_buckets: bool = True  # with cuda_graphs: time wider graphs and run a bucket in the fastest (model_runner)

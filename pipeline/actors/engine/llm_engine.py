@@ -80,8 +80,8 @@ class LLMEngine:
         self.stats_acc["oom_retries"] += retrying
 
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
-        # with page growth a sequence holds, on average over its life, its prompt and half its new tokens
-        lens = [s.prompt_len + (s.max_new_tokens - 1) // 2 if self.config.page_growth else s.total_len for s in seqs]
+        # a growing sequence holds, on average over its life, its prompt and half its new tokens
+        lens = [s.prompt_len + (s.max_new_tokens - 1) // 2 if s.grows else s.total_len for s in seqs]
         parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
         self.scheduler, self.runner = parts.scheduler, parts.runner
@@ -114,8 +114,7 @@ class LLMEngine:
             if problem:
                 sub.results[index] = request.error(problem)
                 continue
-            room = self.max_model_len - len(request.prompt_token_ids)
-            seqs.append(Sequence.start(index, request, min(request.sampling.max_new_tokens, room), sub))
+            seqs.append(self.sequence(index, request, sub))
         if seqs and self.runner is None:
             self._build(seqs)
         # longest prompts first: prefill batches are padded to their longest prompt, so neighbours of similar
@@ -130,6 +129,13 @@ class LLMEngine:
         if not sub.pending:
             self._done(sub)
         return sub
+
+    def sequence(self, index: int, request: Request, sub: Submission | None = None) -> Sequence:
+        """A valid request's sequence: new tokens within max_model_len, and pages as it grows where it may."""
+        room = self.max_model_len - len(request.prompt_token_ids)
+        seq = Sequence.start(index, request, min(request.sampling.max_new_tokens, room), sub)
+        seq.grows = self.config.page_growth and request.may_stop_early(self.eos_ids)
+        return seq
 
     def abort(self) -> None:
         """Drop every request in flight (after a step failed): their slots and pages come back, unanswered."""
@@ -202,7 +208,7 @@ class LLMEngine:
                 # or one ends by length with this step
                 ahead = all(not s.finish_reason and len(s.output) + 1 < s.max_new_tokens for s in running) and (
                     not self.interrupt()) and (  # new requests wait for this run of steps to end
-                    not self.scheduler.page_growth or all(self.blocks.holds(s, s.cached_len + 1) for s in running))
+                    all(self.blocks.holds(s, s.cached_len + 1) for s in running if s.grows))
                 following = (self.runner.to_host(pick(self.runner.decode_next(pending[0]), steps + 1))
                              if ahead else None)
                 now = self.runner.wait(pending)  # before reading the host copy

@@ -112,6 +112,12 @@ class Request:
             return f"token id {bad} is outside the model's vocabulary [0, {vocab_size})"
         return None
 
+    def may_stop_early(self, eos_ids: set[int]) -> bool:
+        """Whether it may end before max_new_tokens: a stop string, or an EOS (of `eos_ids`) it does not ignore. Such
+        a row takes pages as it grows (EngineConfig.page_growth); one that runs to max_new_tokens gains nothing from
+        growing and might be preempted, so it reserves its whole length."""
+        return bool(self.sampling.stop) or (bool(eos_ids) and not self.sampling.ignore_eos)
+
     def error(self, message: str) -> Completion:
         n = len(self.prompt_token_ids) if isinstance(self.prompt_token_ids, (list, tuple)) else 0
         return Completion(self.request_id, "", [], n, "error", message)
@@ -159,6 +165,7 @@ class Sequence:
     text: str | None = None  # set when a stop string cuts the output
     t_first: float | None = None
     preemptions: int = 0  # times it gave up its cache to older sequences (Scheduler.preempt) and was requeued
+    grows: bool = False  # takes pages as it grows (EngineConfig.page_growth, for a row that may stop early)
 
     @classmethod
     def start(cls, index: int, request: Request, max_new_tokens: int, submission: Submission | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from pipeline.actors.engine.block_manager import BlockManager
@@ -12,20 +13,27 @@ from pipeline.actors.engine.request import Sequence
 # last wave (longest-processing-time first); in arrival order the last wave mixes long and short rows, and the
 # step waits for the long ones. False: arrival order (benchmarks' A/B).
 LONGEST_FIRST = True
-# With page growth (EngineConfig.page_growth) a sequence is admitted with the pages of its prefill and this many
-# more tokens, and before each run of decode steps a sequence within this many tokens of its pages' end gets
-# another page: a run of steps launched ahead (LLMEngine._decode) then lasts at least this many steps.
+# A growing sequence (Sequence.grows: EngineConfig.page_growth, and it may stop early) is admitted with the pages of
+# its prefill and this many more tokens, and before each run of decode steps a growing sequence within this many
+# tokens of its pages' end gets another page: a run of steps launched ahead (LLMEngine._decode) then lasts at least
+# this many steps.
 GROWTH_LOOKAHEAD = 16
-# ... and a sequence is only admitted while this share of all pages stays free for the running ones to grow into
-# (vLLM's watermark), so that a new prompt does not take the page an older sequence needs at its next step
+# ... and it is only admitted while this share of all pages stays free for the running ones to grow into (vLLM's
+# watermark), so that a new prompt does not take the page an older sequence needs at its next step,
 SPARE_PAGE_SHARE = 0.01
+# ... and while the pages that the growing sequences in flight are projected to take still fit: each is projected to
+# end at its prompt and used_share of its max_new_tokens, the mean share that the last SHARE_WINDOW growing
+# sequences to finish generated (INITIAL_SHARE until one has: at first as if each reserved its whole length, so rows
+# that all run to max_new_tokens are never preempted; rows that stop early make room for more).
+SHARE_WINDOW = 256
+INITIAL_SHARE = 1.0
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, prefill_tokens: int, page_growth: bool = False) -> None:
+    def __init__(self, blocks: BlockManager, prefill_tokens: int) -> None:
         self.blocks = blocks
-        self.page_growth = page_growth  # pages taken as sequences grow, and preemption when none is free
-        self.spare_pages = int(SPARE_PAGE_SHARE * blocks.num_pages) if page_growth else 0
+        self.spare_pages = int(SPARE_PAGE_SHARE * blocks.num_pages)  # kept free by a growing sequence's admission
+        self.shares: deque[float] = deque(maxlen=SHARE_WINDOW)  # of max_new_tokens, by growing sequences finished
         self.max_prefill_tokens = prefill_tokens
         # padded tokens per prefill forward: halved on an OOM, then regrows up to max_prefill_tokens, which a
         # prefill OOM lowers to half the size that failed
@@ -44,8 +52,7 @@ class Scheduler:
         """Admit waiting sequences in order while they fit; their padded batch stays under the budget, and no
         prompt in it is under half the batch's longest."""
         batch: list[Sequence] = []
-        while self.waiting and self.blocks.can_admit(self.waiting[0], self._admitted_len(self.waiting[0]),
-                                                     self.spare_pages) and (
+        while self.waiting and self._fits(self.waiting[0], batch) and (
             len(self.running) + len(batch) < self.max_running
         ):
             seq = self.waiting[0]
@@ -59,22 +66,41 @@ class Scheduler:
         return batch
 
     def _admitted_len(self, seq: Sequence) -> int | None:
-        """Tokens whose pages a sequence takes when admitted: its whole length (None), or with page growth its
-        prefill's (prompt and any output before a preemption) and GROWTH_LOOKAHEAD more."""
-        return min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD) if self.page_growth else None
+        """Tokens whose pages a sequence takes when admitted: its whole length (None), or if it grows its prefill's
+        (prompt and any output before a preemption) and GROWTH_LOOKAHEAD more."""
+        return min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD) if seq.grows else None
+
+    @property
+    def used_share(self) -> float:
+        """Mean share of max_new_tokens that the last growing sequences to finish generated."""
+        return sum(self.shares) / len(self.shares) if self.shares else INITIAL_SHARE
+
+    def _projected_pages(self, seq: Sequence) -> int:
+        """Pages a growing sequence is projected to hold at its end: at its prompt and used_share of its new tokens,
+        or GROWTH_LOOKAHEAD past where it is, and at least what it holds."""
+        end = max(seq.prompt_len + math.ceil(self.used_share * seq.max_new_tokens), seq.cached_len + GROWTH_LOOKAHEAD)
+        return max(len(seq.pages), self.blocks.pages_for(min(seq.total_len, end)))
+
+    def _fits(self, seq: Sequence, batch: list[Sequence]) -> bool:
+        """Whether a waiting sequence can be admitted now: a slot and its whole length's pages; if it grows, its
+        admission's pages with spare_pages left over, and room for every growing sequence's projected pages."""
+        if not seq.grows:
+            return self.blocks.can_admit(seq)
+        if not self.blocks.can_admit(seq, self._admitted_len(seq), self.spare_pages):
+            return False
+        to_come = sum(self._projected_pages(s) - len(s.pages) for s in (*self.running, *batch) if s.grows)
+        return self._projected_pages(seq) + to_come + self.spare_pages <= len(self.blocks.free_pages)
 
     def reserve(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Before a run of decode steps, with page growth: each running sequence (oldest first) that holds fewer
-        than GROWTH_LOOKAHEAD tokens past its cached length gets pages for them; when too few pages are free, the
+        """Before a run of decode steps: each growing sequence in flight (oldest first) that holds fewer than
+        GROWTH_LOOKAHEAD tokens past its cached length gets pages for them; when too few pages are free, the
         newest running sequences are preempted (it may be the growing one itself). Returns (grown, preempted)."""
         grown: list[Sequence] = []
         preempted: list[Sequence] = []
-        if not self.page_growth:
-            return grown, preempted
         for seq in list(self.running):  # admission order
             target = min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD)
-            if seq.slot < 0 or self.blocks.holds(seq, target):
-                continue  # preempted just now, or room enough
+            if not seq.grows or seq.slot < 0 or self.blocks.holds(seq, target):
+                continue  # holds its whole length, preempted just now, or room enough
             while not self.blocks.grow(seq, target):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -109,6 +135,8 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        if seq.grows and seq.finish_reason in ("stop", "length"):
+            self.shares.append(len(seq.output) / seq.max_new_tokens)
 
     def shrink(self, seqs: list[Sequence], prefill: bool = False) -> None:
         """Requeue `seqs` from scratch at the front; the next prefill gets at most half their tokens.
