@@ -135,16 +135,72 @@ def test_page_growth_admits_the_prefill_and_grows_the_oldest_first_preempting_th
     assert len(b.pages) == pages_for(b.cached_len + GROWTH_LOOKAHEAD) and b.output
 
 
-def test_a_sequence_that_does_not_grow_holds_its_whole_length_and_is_never_preempted():
+def test_rows_that_hold_their_whole_length_are_never_preempted_and_leave_growing_rows_their_projection(monkeypatch):
+    """A row that does not grow keeps its whole length's pages: when a growing row needs a page and none is free,
+    the newest growing row gives its pages back (here the one that grows), never a newer row that does not grow. And
+    such a row is admitted only where the growing rows' projected pages stay free."""
+    from pipeline.actors.engine import scheduler
     from pipeline.actors.engine.scheduler import Scheduler
 
-    blocks = BlockManager(num_slots=4, num_pages=40, pages_for=lambda n: -(-n // 8))
-    sched = Scheduler(blocks, prefill_tokens=64)
-    seqs = _running(sched, [5, 9, 3], max_new=int(torch.randint(2, 30, ())))
-    assert [len(s.pages) for s in seqs] == [-(-s.total_len // 8) for s in seqs]
-    for s in seqs:
-        s.output = [1] * (s.max_new_tokens - 1)
-    assert sched.reserve() == ([], []) and all(blocks.holds(s, s.total_len) for s in seqs)
+    monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)  # b is admitted with its prefill's pages alone
+    pages_for = lambda n: -(-n // 8)  # noqa: E731
+    blocks = BlockManager(num_slots=3, num_pages=7, pages_for=pages_for)
+    sched = Scheduler(blocks, prefill_tokens=8)  # one prompt a prefill: admitted in this order
+    grows = {"a": False, "b": True, "c": False}
+    for i, name in enumerate("abc"):
+        max_new = 40 if grows[name] else 9
+        seq = Sequence.start(i, Request(name, [1] * 8, SamplingParams(max_new_tokens=max_new)), max_new)
+        seq.grows = grows[name]
+        sched.add(seq)
+        sched.start_running(sched.next_prefill())
+    a, b, c = sched.running
+    assert [len(s.pages) for s in (a, b, c)] == [2, 3, 2] and not blocks.free_pages
+    b.output = [1] * 16  # b must grow past its pages; c is the newest row, but holds its whole length
+    assert sched.reserve() == ([], [b]) and sched.running == [a, c] and c.slot >= 0 and len(c.pages) == 2
+    assert all(sched.reserve() == ([], []) for _ in range(3))  # and nothing else ever goes
+    # with the share at 1 a growing row is projected to its whole length: a row that does not grow waits for it
+    monkeypatch.setattr(scheduler, "INITIAL_SHARE", 1.0)
+    blocks = BlockManager(num_slots=3, num_pages=7, pages_for=pages_for)
+    sched = Scheduler(blocks, prefill_tokens=8)
+    b = Sequence.start(0, Request("b", [1] * 8, SamplingParams(max_new_tokens=40)), 40)  # 47 tokens: 6 pages
+    d = Sequence.start(1, Request("d", [1] * 8, SamplingParams(max_new_tokens=9)), 9)  # 16 tokens: 2 pages
+    b.grows = True
+    sched.add(b)
+    sched.start_running(sched.next_prefill())  # alone: its prefill's 3 pages
+    sched.add(d)
+    assert len(b.pages) == 3 and len(blocks.free_pages) == 4 and sched.next_prefill() == []  # 2 + 3 to come > 4
+    sched.shares.append(0.0)  # a growing row that finished at once: b is now projected to hold what it has
+    assert sched.next_prefill() == [d] and len(d.pages) == 2
+
+
+def test_a_lone_growing_row_is_admitted_whatever_its_projection():
+    """With nothing in flight a growing row needs only the pages it takes at admission, though its whole length
+    and the spare pages would not fit together: otherwise a request the cache holds would wait forever."""
+    from pipeline.actors.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_slots=1, num_pages=200, pages_for=lambda n: -(-n // 4))
+    sched = Scheduler(blocks, prefill_tokens=1000)
+    assert sched.spare_pages == 2
+    seq = Sequence.start(0, Request("r", [1] * 10, SamplingParams(max_new_tokens=791)), 791)  # 800 tokens: 200 pages
+    seq.grows = True
+    sched.add(seq)
+    assert blocks.fits_ever(seq) and sched.next_prefill() == [seq] and len(seq.pages) == 7  # ceil(26 / 4)
+
+
+def test_a_resumed_prefill_that_runs_out_of_memory_halves_the_budget_from_what_it_ran():
+    """shrink after a failed prefill of a preempted row (prompt + output): the budget falls to half of what that
+    prefill ran, not of its prompt; the row starts again from its prompt."""
+    from pipeline.actors.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_slots=2, num_pages=50, pages_for=lambda n: -(-n // 8))
+    sched = Scheduler(blocks, prefill_tokens=1000)
+    seq = Sequence.start(0, Request("r", [1] * 10, SamplingParams(max_new_tokens=60)), 60)
+    seq.output = [1] * int(torch.randint(20, 50, ()))
+    sched.add(seq)
+    batch = sched.next_prefill()
+    ran = seq.cached_len
+    sched.shrink(batch, prefill=True)
+    assert sched.max_prefill_tokens == ran // 2 and sched.prefill_tokens == ran // 2 and seq.output == []
 
 
 def test_block_manager_grows_only_with_free_pages():

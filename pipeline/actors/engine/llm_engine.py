@@ -234,12 +234,15 @@ class LLMEngine:
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
         chunk = self.scheduler.prefill_tokens
-        lone = len(seqs) == 1 and chunk <= len(seqs[0].request.prompt_token_ids)  # no smaller batch to try
+        ran = seqs[0].cached_len if prefill else seqs[0].prompt_len  # a resumed prefill ran its output too
+        lone = len(seqs) == 1 and chunk <= ran  # no smaller batch to try
         if lone and not (prefill and chunk > MIN_CHUNK_TOKENS):
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
             alone = f", in chunks of {chunk} tokens" if prefill else ""
-            self._complete(seqs[0], seqs[0].request.error(f"CUDA out of memory for this request alone{alone}"))
+            failed = seqs[0].request.error(f"CUDA out of memory for this request alone{alone}")
+            failed.preemptions = seqs[0].preemptions
+            self._complete(seqs[0], failed)
             return
         self.scheduler.shrink(seqs, prefill=prefill)
         log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",

@@ -82,19 +82,24 @@ class Scheduler:
         return max(len(seq.pages), self.blocks.pages_for(min(seq.total_len, end)))
 
     def _fits(self, seq: Sequence, batch: list[Sequence]) -> bool:
-        """Whether a waiting sequence can be admitted now: a slot and its whole length's pages; if it grows, its
-        admission's pages with spare_pages left over, and room for every growing sequence's projected pages."""
-        if not seq.grows:
-            return self.blocks.can_admit(seq)
-        if not self.blocks.can_admit(seq, self._admitted_len(seq), self.spare_pages):
-            return False
-        to_come = sum(self._projected_pages(s) - len(s.pages) for s in (*self.running, *batch) if s.grows)
-        return self._projected_pages(seq) + to_come + self.spare_pages <= len(self.blocks.free_pages)
+        """Whether a waiting sequence can be admitted now: a slot and the pages it takes (its whole length, or if it
+        grows its admission's), and room left for the pages that the growing sequences (it among them) are
+        projected to take, with spare_pages over where any grows. Alone, a sequence only needs what it takes: the
+        engine admits no request whose whole length does not fit the cache (BlockManager.fits_ever)."""
+        admitted = self._admitted_len(seq)
+        if not (self.running or batch):
+            return self.blocks.can_admit(seq, admitted)
+        growing = [s for s in (*self.running, *batch) if s.grows]
+        to_come = sum(self._projected_pages(s) - len(s.pages) for s in growing)
+        need = self._projected_pages(seq) if seq.grows else self.blocks.pages_for(seq.total_len)
+        spare = self.spare_pages if (seq.grows or growing) else 0
+        return self.blocks.can_admit(seq, admitted) and need + to_come + spare <= len(self.blocks.free_pages)
 
     def reserve(self) -> tuple[list[Sequence], list[Sequence]]:
         """Before a run of decode steps: each growing sequence in flight (oldest first) that holds fewer than
         GROWTH_LOOKAHEAD tokens past its cached length gets pages for them; when too few pages are free, the
-        newest running sequences are preempted (it may be the growing one itself). Returns (grown, preempted)."""
+        newest growing sequences in flight are preempted (it may be the one that grows itself; a sequence that
+        holds its whole length never is). Returns (grown, preempted)."""
         grown: list[Sequence] = []
         preempted: list[Sequence] = []
         for seq in list(self.running):  # admission order
@@ -102,7 +107,7 @@ class Scheduler:
             if not seq.grows or seq.slot < 0 or self.blocks.holds(seq, target):
                 continue  # holds its whole length, preempted just now, or room enough
             while not self.blocks.grow(seq, target):
-                victim = self.running[-1]
+                victim = next(s for s in reversed(self.running) if s.grows)  # seq itself at the latest
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -144,13 +149,14 @@ class Scheduler:
         prefill: their prefill ran out of memory, so the budget also never regrows past half its size (a
         prefill of that size would fail again: the cache is allocated once, so free memory does not grow).
         """
+        # what the failed prefill ran (a preempted sequence's prompt + output), or the prompts that run next
+        padded = max(s.cached_len if prefill else s.prompt_len for s in seqs) * len(seqs)
         for seq in reversed(seqs):
             self.blocks.release(seq)
             if seq in self.running:
                 self.running.remove(seq)
             seq.output, seq.t_first, seq.finish_reason, seq.text = [], None, None, None
             self.waiting.appendleft(seq)
-        padded = max(s.prompt_len for s in seqs) * len(seqs)
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
         if prefill:
             self.max_prefill_tokens = min(self.max_prefill_tokens, max(1, padded // 2))
