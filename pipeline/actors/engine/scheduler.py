@@ -68,7 +68,7 @@ class Scheduler:
     def _admitted_len(self, seq: Sequence) -> int | None:
         """Tokens whose pages a sequence takes when admitted: its whole length (None), or if it grows its prefill's
         (prompt and any output before a preemption) and GROWTH_LOOKAHEAD more."""
-        return min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD) if seq.grows else None
+        return _lookahead_len(seq) if seq.grows else None
 
     @property
     def used_share(self) -> float:
@@ -103,8 +103,7 @@ class Scheduler:
         grown: list[Sequence] = []
         preempted: list[Sequence] = []
         for seq in list(self.running):  # admission order
-            target = min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD)
-            if not seq.grows or seq.slot < 0 or self.blocks.holds(seq, target):
+            if not seq.grows or seq.slot < 0 or self.blocks.holds(seq, target := _lookahead_len(seq)):
                 continue  # holds its whole length, preempted just now, or room enough
             while not self.blocks.grow(seq, target):
                 victim = next(s for s in reversed(self.running) if s.grows)  # seq itself at the latest
@@ -160,3 +159,8 @@ class Scheduler:
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
         if prefill:
             self.max_prefill_tokens = min(self.max_prefill_tokens, max(1, padded // 2))
+
+
+def _lookahead_len(seq: Sequence) -> int:
+    """Tokens a growing sequence holds pages for: its cached ones and GROWTH_LOOKAHEAD more, up to its whole length."""
+    return min(seq.total_len, seq.cached_len + GROWTH_LOOKAHEAD)
