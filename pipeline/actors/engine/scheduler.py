@@ -78,8 +78,8 @@ class Scheduler:
     def _projected_pages(self, seq: Sequence) -> int:
         """Pages a growing sequence is projected to hold at its end: at its prompt and used_share of its new tokens,
         or GROWTH_LOOKAHEAD past where it is, and at least what it holds."""
-        end = max(seq.prompt_len + math.ceil(self.used_share * seq.max_new_tokens), seq.cached_len + GROWTH_LOOKAHEAD)
-        return max(len(seq.pages), self.blocks.pages_for(min(seq.total_len, end)))
+        end = min(seq.total_len, seq.prompt_len + math.ceil(self.used_share * seq.max_new_tokens))
+        return max(len(seq.pages), self.blocks.pages_for(end), self.blocks.pages_for(_lookahead_len(seq)))
 
     def _fits(self, seq: Sequence, batch: list[Sequence]) -> bool:
         """Whether a waiting sequence can be admitted now: a slot and the pages it takes (its whole length, or if it
