@@ -121,7 +121,8 @@ VARIANTS = {
     "sync": dict(decode_ahead=False),  # the host reads each step's tokens before launching the next
     "model-scales": dict(),  # KIVI scales and zeros in the model's dtype (KIVI_VARIANTS)
     "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
-    "grow": dict(page_growth=True),  # rows that may stop early take pages as they grow (--stop-early makes them)
+    "grow": dict(page_growth=True),  # rows that may stop early take pages as they grow (the default since 2026-12-02)
+    "whole-length": dict(page_growth=False),  # ... every row reserves its whole length (--stop-early makes them)
     "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
     "prefill4k": dict(max_prefill_tokens=4096),
     "chunk-store": dict(),  # the decode store with a program per chunk at every head count (KERNEL_VARIANTS)

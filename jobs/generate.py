@@ -69,8 +69,8 @@ FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("gpu-memory-utilization", dict(type=float, help="share of GPU memory the engine may use (default: 0.9)")),
     ("max-model-len", dict(type=int, help="longest prompt + generation (default: the model's context)")),
     ("page-growth", dict(action=BOOL, help="rows that may stop early (EOS, --stop) take cache pages as they grow, "
-                                           "with preemption (default: off: every row reserves its whole "
-                                           "length)")),
+                                           "with preemption (default: on; off: every row reserves its "
+                                           "whole length)")),
     ("s3-endpoint-url", dict(help="endpoint of an S3-compatible store")),
     ("hf-shard-rows", dict(type=int, help="rows per shard of a Hugging Face dataset input (default: 1000)")),
     ("overwrite", dict(action=BOOL, help="redo shards already complete in --output")),

@@ -51,7 +51,7 @@ class JobConfig:
     max_batch_size: int = 256  # sequences the engine decodes together
     gpu_memory_utilization: float = 0.90
     max_model_len: int | None = None
-    page_growth: bool = False  # EngineConfig.page_growth: rows that may stop early take pages as they grow
+    page_growth: bool = True  # EngineConfig.page_growth: rows that may stop early take pages as they grow
     # io
     s3_endpoint_url: str | None = None
     hf_shard_rows: int = 1000  # rows per shard of a Hugging Face dataset input (parquet: one shard a file)

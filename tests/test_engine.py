@@ -362,7 +362,7 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
 def test_rows_grow_where_they_may_stop_early(tiny):
     """With page_growth a row takes pages as it grows where it may stop early: the model has an EOS
     that the row does not ignore, or the row has a stop string. Rows that run to max_new_tokens (ignore_eos, or no
-    EOS at all) reserve their whole length, as every row does with page_growth off (the default)."""
+    EOS at all) reserve their whole length, as every row does with page_growth off (on is the default)."""
     from pipeline.actors.engine.request import Sequence
 
     seen, start = [], Sequence.start
@@ -385,4 +385,5 @@ def test_rows_grow_where_they_may_stop_early(tiny):
         assert grows(on, {10**6}, ignore_eos=True) == [False]
         assert grows(on, set()) == [False]
         assert grows(on, set(), stop=("@",)) == [True]
-        assert EngineConfig().page_growth is False and grows(EngineConfig(), {10**6}, stop=("@",)) == [False]
+        assert EngineConfig().page_growth is True and grows(EngineConfig(), {10**6}) == [True]
+        assert grows(EngineConfig(page_growth=False), {10**6}, stop=("@",)) == [False]

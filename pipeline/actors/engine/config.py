@@ -24,11 +24,12 @@ class EngineConfig:
     # rows generated), and when a step finds no page free the newest sequences give theirs back and are prefilled
     # again later from prompt + output (preemptions, in the stats). Sequences that cannot stop early (ignore_eos, or
     # a model without EOS, as in the benchmarks) reserve their whole length, as every sequence does when False.
-    # Off by default: the first form (admission by the prefill's pages alone) was measured on the H200 (lost 6-7% on
-    # workload b, whose rows all run to max_new_tokens; gained 4-11% with EOS-like stops,
-    # engine-20261202-h200-page-growth-*.json); this form, which never grows such rows and admits by projection, is
-    # tested on the CPU and not yet measured there.
-    page_growth: bool = False
+    # On by default since the thirty-third session: on the H200 (Llama-2-7B, 40 GiB) it gained 12% (engine-bf16) and
+    # 4% (KIVI-2) with EOS-like stops (workload d, 25 -> 33 and 106 -> 132 rows, no preemption) and lost nothing
+    # where every such row runs to max_new_tokens (b: 5,436 against 5,364 tok/s over 60 s, 142 rows against 150;
+    # engine-20261202-h200-page-growth-final-*.json). The first form, which grew every row and admitted by the
+    # prefill's pages alone, lost 6-7% on b (engine-20261202-h200-page-growth-b*.json).
+    page_growth: bool = True
     cuda_graphs: bool = True
     tune_buckets: bool = True  # with cuda_graphs: time wider graphs and run a bucket in the fastest (model_runner)
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
