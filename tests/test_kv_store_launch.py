@@ -170,3 +170,45 @@ def test_kernels_compile_for_h200(tmp_path):
         assert not any(o.startswith(("div.full", "div.approx")) for o in r["ops"]), r
         if r["name"] == "store_decode_kernel":
             assert "bar.sync" in r["ops"], r
+
+
+# split, stages, lengths: one group a program, groups shared unevenly (5 groups of a row over 2 or 3 programs),
+# more programs than groups, and a row whose tokens all stay in the ring
+STAGED = [(1, 1, [3 * 32 + 5, 2 * 32 + 4, 40]), (2, 3, [5 * 32 + 7, 32, 0]), (3, 2, [5 * 32, 4 * 32 + 1, 63]),
+          (7, 4, [6 * 32 + 31, 2 * 32 + 2, 97])]
+
+
+@pytest.mark.parametrize("split,stages,lengths", STAGED, ids=[f"split{s}-stages{n}" for s, n, _ in STAGED])
+def test_staged_prefill_matches_reference(request, split, stages, lengths):
+    """The staged store_prefill (programs looping over groups s, s + split, ...) stores what the reference stores
+    into poisoned pools: every group of every part is written once, pages and ring alike, nothing else (bf16 on a
+    GPU; fp16 under the interpreter, whose bf16 arithmetic rounds differently from compiled code)."""
+    cfg, dtype = cfg_of(2, 4, G=32, R=64, P=64), torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    B, H, D, N = len(lengths), 2, 96, 24
+    key, value, starts, lens, slots, bt = make_batch(seeded(request), B, H, max(lengths) + 9, D, lengths, dtype,
+                                                     num_pages=N)
+    got, want = make_pools(N, B + 2, H, D, cfg, dtype), make_pools(N, B + 2, H, D, cfg, dtype)
+    ops.store_prefill(key, value, starts, lens, slots, bt, *(got[n] for n in POOLS), **cfg, block_c=64,
+                      staged=True, split=split, stages=stages)
+    SPEC.store_prefill(key, value, starts, lens, slots, bt, *(want[n] for n in POOLS), **cfg)
+    assert_same(got, want)
+
+
+def test_staged_split_defaults_and_errors():
+    """By default a staged launch keeps STAGED_PROGRAMS_PER_SM programs an SM, and never splits a row's groups
+    more ways than it has; split and stages without staged, or out of range, are clear errors."""
+    cpu = torch.device("cpu")
+    split, stages = ops.staged_split(1, 8, 4096, cpu, 32, 2)
+    assert split == round(ops.STAGED_PROGRAMS_PER_SM * 4 / 32) and stages == ops.STAGED_STAGES
+    assert ops.staged_split(1, 1, 64, cpu, 32, 2)[0] == 2  # 2 groups a row: at most 2 ways
+    assert ops.staged_split(64, 32, 4096, cpu, 32, 2, stages=2) == (1, 2)
+    for split, stages in ((0, None), (2, 0), (2, 9)):
+        with pytest.raises(ValueError, match="split|stages"):
+            ops.staged_split(1, 8, 4096, cpu, 32, 2, split, stages)
+    cfg, dtype = cfg_of(2, 4), torch.float16
+    pools = make_pools(8, 3, 2, 64, cfg, dtype)
+    k4 = torch.zeros(1, 2, 40, 64, dtype=dtype, device=DEVICE)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="staged=True"):
+        ops.store_prefill(k4, k4, i32(0), i32(40), i32(0), torch.zeros(3, 4, dtype=torch.int32, device=DEVICE),
+                          *(pools[n] for n in POOLS), **cfg, staged=False, split=2)
