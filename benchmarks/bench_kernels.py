@@ -72,8 +72,6 @@ def parse_args() -> argparse.Namespace:
                    "store_kernel_v0.py, made by `git show c20ce12:kernels/kv_store/kernel.py`, and that commit's "
                    "ops.py with store_prefill/store_decode renamed *_v0 and its kernel import pointed at "
                    "store_kernel_v0")
-    p.add_argument("--staged", action="store_true", help="also time quantize-and-pack with programs looping over "
-                   "groups, loads staged through shared memory (store_cases.STAGED_TUNINGS)")
     p.add_argument("--workers", type=int, default=12, help="parallel compile processes (GPU)")
     p.add_argument("--out", default=None, help="write the JSON result here too")
     return p.parse_args()
@@ -97,7 +95,7 @@ from kernel_cases import (  # noqa: E402
     bench_sdpa,
     decode_candidates,
 )
-from store_cases import LOOP_TUNINGS, STAGED_TUNINGS, bench_store_flush, bench_store_prefill, store_tunings  # noqa: E402
+from store_cases import LOOP_TUNINGS, bench_store_flush, bench_store_prefill, store_tunings  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -168,10 +166,6 @@ def main() -> None:
                 log(summary_line(records[-1]))
             for B, H, D in store_cfgs["flush"]:
                 records.append(bench_store_flush(B, H, D, bits, copy_gbps, tuning=tuning, impl=impl))
-                log(summary_line(records[-1]))
-        for tuning in STAGED_TUNINGS if ARGS.staged else ():
-            for B, T, H, D in store_cfgs["prefill"]:
-                records.append(bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning))
                 log(summary_line(records[-1]))
         for tuning in LOOP_TUNINGS:  # the decode store with and without its loop over a head's chunks
             for B, H, D in store_cfgs["flush"]:

@@ -27,11 +27,6 @@ STORE_CANDIDATES = [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (128, 4)]
 # every store run, on the flush and the append cases (kernels-20261130-h200-stores-loop.json also had block_c=32 with 1
 # and 2 warps: slower than the default block_c on every case)
 LOOP_TUNINGS = [dict(loop_chunks=True), dict(loop_chunks=False)]
-# quantize-and-pack with programs looping over groups, loads staged through shared memory (kv_store.ops staged=True;
-# bench_kernels --staged): cp.async depth, and the programs an SM the launcher aims at (programs_per_sm sets
-# kv_store.ops.STAGED_PROGRAMS_PER_SM while the case runs)
-STAGED_TUNINGS = ([dict(staged=True, stages=n) for n in (2, 3, 4)]
-                  + [dict(staged=True, stages=3, programs_per_sm=n) for n in (8, 32)])
 
 
 def store_ops(impl: str):
@@ -61,15 +56,9 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
     from kernels.kv_store import reference as kv_ref
 
     nbytes = 2 * B * H * T * D * 2 + kivi_bytes(B, T, H, H, D, bits, bits) - 2 * B * H * D * 2
-    tuning = dict(tuning or {})
-    rec = record("quantize_pack" + SUFFIX[impl], bits, B, T, H, H, D, copy_gbps, tuning=dict(tuning))
+    tuning = tuning or {}
+    rec = record("quantize_pack" + SUFFIX[impl], bits, B, T, H, H, D, copy_gbps, tuning=tuning)
     store_prefill, _ = store_ops(impl)
-    per_sm = tuning.pop("programs_per_sm", None)
-    if per_sm is not None:
-        from kernels.kv_store import ops as kv_ops
-
-        tuning["split"] = _staged_split(kv_ops, B, T, H, D, per_sm)
-        rec["tuning"]["split"] = tuning["split"]
 
     def body(rec):
         k_sets = n_sets(nbytes, max_sets=16)
@@ -92,16 +81,6 @@ def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None,
         finish(rec, timed([lambda i=i: one(i) for i in range(k_sets)]), nbytes)
 
     return guarded(rec, 20 * nbytes + 2**30, body)
-
-
-def _staged_split(kv_ops, B, T, H, D, per_sm: int) -> int:
-    """The split a staged launch over [B, H, T, D] takes when it aims at per_sm programs an SM."""
-    saved = kv_ops.STAGED_PROGRAMS_PER_SM
-    kv_ops.STAGED_PROGRAMS_PER_SM = per_sm
-    try:
-        return kv_ops.staged_split(B, H, T, DEV, G, -(-D // 64))[0]
-    finally:
-        kv_ops.STAGED_PROGRAMS_PER_SM = saved
 
 
 FLUSHING = {"all": "residual_flush", "staggered": "residual_append", "none": "residual_append_only"}

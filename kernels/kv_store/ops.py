@@ -13,7 +13,6 @@ import triton
 
 from ..packing import expected_scale_dtype
 from .kernel import store_decode_kernel, store_prefill_kernel
-from .kernel_staged import store_prefill_staged_kernel
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # store_decode with one program per head's keys or values, its flush a loop over channel chunks, from this many KV
@@ -21,11 +20,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 238: 22.6 -> 17.4) and a flush of every row 3-11% slower; at 8 heads the append lost up to 30% (64 rows: 4.7 ->
 # 6.2 us): kernel_notes.md, store kernels, 12; kernels-20261130-h200-stores-loop.json
 STORE_LOOP_MIN_HEADS: int | None = 16
-# store_prefill's default: one group a program (False), or programs that loop over groups with their loads staged
-# through shared memory (True; kernel_staged.py, store kernels 15 in kernel_notes.md)
-STAGED_PREFILL = False
-STAGED_PROGRAMS_PER_SM = 16  # staged programs the launcher aims at per multiprocessor (one-warp, ~120 registers)
-STAGED_STAGES = 3  # the staged loop's cp.async depth (tl.range num_stages)
 
 
 def _check_tensor(name: str, t, shape, dtype, device) -> None:
@@ -127,8 +121,7 @@ def _pool_strides(k_codes, k_scale, v_codes, v_scale, k_res) -> dict:
 def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_scale, k_zero,
                   v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
                   residual_length: int, page_size: int, block_c: int | None = None,
-                  num_warps: int | None = None, staged: bool | None = None, split: int | None = None,
-                  stages: int | None = None) -> None:
+                  num_warps: int | None = None) -> None:
     """Store a padded prompt batch into empty slots (in place).
 
     key, value: [B, H, T, D] cache dtype, last dim contiguous; row b's tokens are
@@ -139,10 +132,9 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
     Tokens [0, nq) with nq = G * ceil(max(0, L - R) / G) go to pages, [nq, L) to ring slots t % R.
     Preconditions not checked here (they would need a device sync): starts + lengths <= T, the block
     table holds ceil(nq / P) valid pages for each row, distinct slots.
-    Tuning (optional): block_c channels per program (a power of two, a multiple of G; default 64), num_warps;
-    staged (default STAGED_PREFILL): each program loops over `split` groups' worth of rows (groups s, s + split,
-    ...; default: enough programs for STAGED_PROGRAMS_PER_SM an SM), its loads `stages` deep (default
-    STAGED_STAGES) through shared memory.
+    Tuning (optional): block_c channels per program (a power of two, a multiple of G; default 64), num_warps.
+    (One group a program: programs looping over groups lost, with the next tile in registers and staged through
+    shared memory alike; kernel_notes.md, store kernels 13 and 15.)
     """
     check_store_args(key, value, (("starts", starts), ("lengths", lengths)), slots, block_table,
                      k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res, k_bits=k_bits,
@@ -154,15 +146,7 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
     if B == 0 or T == 0:
         return
     cfg = _launch_config(key, group_size, block_c, num_warps)
-    staged = STAGED_PREFILL if staged is None else bool(staged)
-    if not staged and (split is not None or stages is not None):
-        raise ValueError(f"split={split!r} and stages={stages!r} tune the staged kernel: pass staged=True")
-    if staged:
-        split, cfg["STAGES"] = staged_split(B, H, T, key.device, group_size, cfg["NC"], split, stages)
-        kernel, grid, extra = store_prefill_staged_kernel, (B, H, 2 * cfg["NC"] * split), dict(SPLIT=split)
-    else:
-        kernel, grid, extra = store_prefill_kernel, (B, H, triton.cdiv(T, group_size) * 2 * cfg["NC"]), {}
-    kernel[grid](
+    store_prefill_kernel[(B, H, triton.cdiv(T, group_size) * 2 * cfg["NC"])](
         key_ptr=key, value_ptr=value, starts_ptr=starts, lengths_ptr=lengths, slots_ptr=slots,
         block_table_ptr=block_table, k_codes_ptr=k_codes, k_scale_ptr=k_scale, k_zero_ptr=k_zero,
         v_codes_ptr=v_codes, v_scale_ptr=v_scale, v_zero_ptr=v_zero, k_res_ptr=k_res, v_res_ptr=v_res,
@@ -171,26 +155,8 @@ def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_sc
         stride_value_b=value.stride(0), stride_value_h=value.stride(1), stride_value_t=value.stride(2),
         stride_bt_s=block_table.stride(0),
         **_pool_strides(k_codes, k_scale, v_codes, v_scale, k_res),
-        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, **cfg, **extra,
+        K_BITS=k_bits, V_BITS=v_bits, GROUP=group_size, RESIDUAL=residual_length, PAGE=page_size, **cfg,
     )
-
-
-def staged_split(B: int, H: int, T: int, device: torch.device, group_size: int, nc: int, split: int | None = None,
-                 stages: int | None = None) -> tuple[int, int]:
-    """(split, stages) of a staged store_prefill launch over key [B, H, T, D] (nc chunks of channels) on device:
-    by default as many groups a program as leave STAGED_PROGRAMS_PER_SM programs an SM (4 SMs off a GPU), and
-    no more ways than the T / G groups a row has."""
-    groups = triton.cdiv(T, group_size)
-    if split is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        split = round(STAGED_PROGRAMS_PER_SM * sms / (B * H * 2 * nc))
-        split = min(max(split, 1), groups)
-    stages = STAGED_STAGES if stages is None else stages
-    if not isinstance(split, int) or split < 1:
-        raise ValueError(f"split must be a positive int, got {split!r}")
-    if not isinstance(stages, int) or not 1 <= stages <= 6:
-        raise ValueError(f"stages must be an int in 1..6, got {stages!r}")
-    return split, stages
 
 
 def store_decode(key, value, seq_lens, slots, block_table, k_codes, k_scale, k_zero,

@@ -39,10 +39,8 @@ def _write_groups(k, v, pages, gidx, k_codes, k_scale, k_zero, v_codes, v_scale,
 def store_prefill(key, value, starts, lengths, slots, block_table, k_codes, k_scale, k_zero,
                   v_codes, v_scale, v_zero, k_res, v_res, *, k_bits: int, v_bits: int, group_size: int,
                   residual_length: int, page_size: int, block_c: int | None = None,
-                  num_warps: int | None = None, staged: bool | None = None, split: int | None = None,
-                  stages: int | None = None) -> None:
-    """Reference of ops.store_prefill (same shapes; the kernels' tuning arguments are accepted and ignored):
-    key, value [B, H, T, D], starts/lengths/slots int32 [B].
+                  num_warps: int | None = None) -> None:
+    """Reference of ops.store_prefill (same shapes): key, value [B, H, T, D], starts/lengths/slots int32 [B].
 
     Tokens [0, nq) of each row, nq = G * ceil(max(0, L - R) / G), go to pages block_table[slot, t // P];
     tokens [nq, L) go to ring slots t % R of k_res/v_res [S, H, R, D].
