@@ -122,6 +122,7 @@ VARIANTS = {
     "model-scales": dict(),  # KIVI scales and zeros in the model's dtype (KIVI_VARIANTS)
     "untuned": dict(tune_buckets=False),  # each bucket's steps run at the bucket's own width
     "grow": dict(page_growth=True),  # rows that may stop early take pages as they grow (the default since 2026-12-02)
+    "grow-half": dict(growth_plan_share=0.5),  # growing rows' slots planned for half their new tokens
     "whole-length": dict(page_growth=False),  # ... every row reserves its whole length (--stop-early makes them)
     "prefill8k": dict(max_prefill_tokens=8192),  # half the default prefill forward: a smaller workspace, more slots
     "prefill4k": dict(max_prefill_tokens=4096),

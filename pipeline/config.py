@@ -52,6 +52,7 @@ class JobConfig:
     gpu_memory_utilization: float = 0.90
     max_model_len: int | None = None
     page_growth: bool = True  # EngineConfig.page_growth: rows that may stop early take pages as they grow
+    growth_plan_share: float | None = None  # EngineConfig.growth_plan_share (None: 0.5 for bf16, 1 for KIVI)
     # io
     s3_endpoint_url: str | None = None
     hf_shard_rows: int = 1000  # rows per shard of a Hugging Face dataset input (parquet: one shard a file)
@@ -88,6 +89,8 @@ class JobConfig:
                 raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.growth_plan_share is not None and not 0.0 < self.growth_plan_share <= 1.0:
+            raise ValueError(f"growth_plan_share must be in (0, 1], got {self.growth_plan_share!r}")
         if not self.log_interval_s > 0:
             raise ValueError(f"log_interval_s must be > 0, got {self.log_interval_s!r}")
         if self.prompt_template is not None:

@@ -387,3 +387,39 @@ def test_rows_grow_where_they_may_stop_early(tiny):
         assert grows(on, set(), stop=("@",)) == [True]
         assert EngineConfig().page_growth is True and grows(EngineConfig(), {10**6}) == [True]
         assert grows(EngineConfig(page_growth=False), {10**6}, stop=("@",)) == [False]
+
+
+@pytest.mark.parametrize("cache_kind", ["kivi", "full"])
+def test_memory_plan_sizes_growing_rows_by_the_cache_kind(tiny, cache_kind, monkeypatch):
+    """The plan's lengths (build.allocate_parts' total_lens): growing rows' slots at their prompt + half their new
+    tokens over the full-precision cache (a slot costs only its pages), at their whole length over KIVI (a slot
+    holds a ring of R tokens) unless growth_plan_share says otherwise; rows that cannot stop early, and every row
+    with page_growth off, at their whole length."""
+    from pipeline.actors.engine import llm_engine
+
+    seen, allocate = [], llm_engine.allocate_parts
+
+    def spy(model, config, total_lens, *args, **kwargs):
+        seen.append(list(total_lens))
+        return allocate(model, config, total_lens, *args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "allocate_parts", spy)
+    prompts, new = torch.randint(5, 40, (3,)).tolist(), torch.randint(8, 30, (3,)).tolist()
+
+    def plan(ignore_eos=False, **config) -> list[int]:
+        engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI if cache_kind == "kivi" else None,
+                                                               max_batch_size=4, **config))
+        engine.eos_ids = {10**6}  # an EOS the model never writes: rows may stop early, and run to length
+        seen.clear()
+        out = engine.generate([Request(f"r{i}", list(range(1, p + 1)),
+                                       SamplingParams(max_new_tokens=n, ignore_eos=ignore_eos))
+                               for i, (p, n) in enumerate(zip(prompts, new, strict=True))])
+        assert [len(c.token_ids) for c in out] == new
+        return sorted(seen[0])
+
+    whole = sorted(p + n - 1 for p, n in zip(prompts, new, strict=True))
+    half = sorted(p + (n - 1) // 2 for p, n in zip(prompts, new, strict=True))
+    assert plan() == (whole if cache_kind == "kivi" else half)
+    assert plan(growth_plan_share=0.5) == half
+    assert plan(growth_plan_share=1.0) == whole
+    assert plan(ignore_eos=True) == whole and plan(page_growth=False) == whole

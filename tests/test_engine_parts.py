@@ -16,7 +16,8 @@ from pipeline.actors.engine.request import Sequence
 
 
 @pytest.mark.parametrize("bad", [dict(mlp_chunk_tokens=0), dict(mlp_chunk_tokens=1.5), dict(max_prefill_tokens=0),
-                                 dict(gpu_memory_utilization=1.5), dict(memory_limit_gib=-1)])
+                                 dict(gpu_memory_utilization=1.5), dict(memory_limit_gib=-1),
+                                 dict(growth_plan_share=0), dict(growth_plan_share=1.5)])
 def test_engine_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         EngineConfig(**bad)

@@ -73,6 +73,7 @@ def test_text_flags_read_shell_escapes():
         ({"output": "o", "actors": 0}, "actors"),
         ({"output": "o", "gpus_per_actor": 0}, "gpus_per_actor"),
         ({"output": "o", "gpus_per_actor": 1.5}, "gpus_per_actor"),
+        ({"output": "o", "growth_plan_share": 0.0}, "growth_plan_share"),
         ({"output": "o", "max_new_tokens": "16"}, "max_new_tokens"),
         ({"output": "o", "prompt_template": "no fields"}, "prompt_template"),
         ({"output": "o", "gguf_file": "x.gguf"}, "gguf_file"),

@@ -48,6 +48,7 @@ def load_engine(job: JobConfig) -> tuple[Any, Any]:
         max_batch_size=job.max_batch_size,
         max_model_len=job.max_model_len,
         page_growth=job.page_growth,
+        growth_plan_share=job.growth_plan_share,
     )
     return LLMEngine(hf_model, tokenizer, config), tokenizer
 

@@ -19,17 +19,23 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     page_size: int = 128  # pages of the full-precision cache (the KIVI cache uses kivi.page_size)
     # True: a sequence that may stop early (an EOS it does not ignore, or a stop string) takes pages as it grows, as
-    # in vLLM; the plan sizes its slots for such sequences halfway through their new tokens, a growing sequence is
+    # in vLLM; the plan sizes its slots for such sequences by growth_plan_share (below), a growing sequence is
     # admitted while the growing ones in flight are projected to fit (at the share of max_new_tokens that finished
     # rows generated), and when a step finds no page free the newest sequences give theirs back and are prefilled
     # again later from prompt + output (preemptions, in the stats). Sequences that cannot stop early (ignore_eos, or
     # a model without EOS, as in the benchmarks) reserve their whole length, as every sequence does when False.
-    # On by default since the thirty-third session: on the H200 (Llama-2-7B, 40 GiB) it gained 12% (engine-bf16) and
-    # 4% (KIVI-2) with EOS-like stops (workload d, 25 -> 33 and 106 -> 132 rows, no preemption) and lost nothing
-    # where every such row runs to max_new_tokens (b: 5,436 against 5,364 tok/s over 60 s, 142 rows against 150;
-    # engine-20261202-h200-page-growth-final-*.json). The first form, which grew every row and admitted by the
-    # prefill's pages alone, lost 6-7% on b (engine-20261202-h200-page-growth-b*.json).
+    # On by default since the thirty-third session: on the H200 (Llama-2-7B, 40 GiB) it gained engine-bf16 12% with
+    # EOS-like stops (workload d, 25 -> 33 rows, no preemption) and lost nothing where every such row runs to
+    # max_new_tokens (b); KIVI-2's width follows growth_plan_share (below; engine-20261202-h200-page-growth-*.json).
+    # The first form, which grew every row and admitted by the prefill's pages alone, lost 6-7% on b.
     page_growth: bool = True
+    # with page_growth: the share of max_new_tokens the memory plan sizes a growing sequence's slot for (its prompt
+    # + share x its new tokens), or None: 0.5 for caches whose slots hold no memory of their own (the full-precision
+    # cache), 1.0 (whole lengths) for KIVI, whose every slot holds a full-precision ring (R tokens: 64 MiB for
+    # Llama-2-7B). Slots planned for half lengths ran d's EOS-like stops 4% faster over KIVI-2 and e's rows that all
+    # ran to max_new_tokens 9% slower (79 rows against 96: the rings of the slots the plan added took their pages;
+    # engine-20261202-h200-page-growth-final-*.json), so KIVI plans for whole lengths unless told.
+    growth_plan_share: float | None = None
     cuda_graphs: bool = True
     tune_buckets: bool = True  # with cuda_graphs: time wider graphs and run a bucket in the fastest (model_runner)
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
@@ -68,5 +74,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.growth_plan_share is not None and not (isinstance(self.growth_plan_share, (int, float))
+                                                       and 0 < self.growth_plan_share <= 1):
+            raise ValueError(f"growth_plan_share must be in (0, 1] or None, got {self.growth_plan_share!r}")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise ValueError(f"memory_limit_gib must be positive, got {self.memory_limit_gib!r}")

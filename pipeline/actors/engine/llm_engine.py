@@ -80,8 +80,10 @@ class LLMEngine:
         self.stats_acc["oom_retries"] += retrying
 
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
-        # a growing sequence holds, on average over its life, its prompt and half its new tokens
-        lens = [s.prompt_len + (s.max_new_tokens - 1) // 2 if s.grows else s.total_len for s in seqs]
+        share = self.config.growth_plan_share
+        if share is None:  # half lengths where a slot costs nothing but its pages, whole ones where it holds a ring
+            share = 1.0 if self.config.kivi is not None else 0.5
+        lens = [s.plan_len(share) for s in seqs]
         parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
         self.scheduler, self.runner = parts.scheduler, parts.runner

@@ -182,6 +182,11 @@ class Sequence:
         """Tokens the sequence will occupy in the cache at most (the last token is never fed back)."""
         return self.prompt_len + self.max_new_tokens - 1
 
+    def plan_len(self, share: float) -> int:
+        """Tokens the memory plan sizes this sequence's slot for: its whole length, or if it grows its prompt and
+        `share` of its new tokens (EngineConfig.growth_plan_share; at 0.5 about what it holds over its life)."""
+        return self.prompt_len + int(share * (self.max_new_tokens - 1)) if self.grows else self.total_len
+
     @property
     def prefill_ids(self) -> list[int]:
         """What a prefill of this sequence runs: its prompt, and after a preemption the output so far as well."""
