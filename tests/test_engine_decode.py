@@ -256,3 +256,54 @@ def test_page_growth_on_a_gpu_preempts_and_keeps_the_tokens(monkeypatch):
     assert [len(c.token_ids) for c in out] == [r.sampling.max_new_tokens for r in reqs]
     assert engine.stats()["preemptions"] > 0 and sum(c.preemptions for c in out) == engine.stats()["preemptions"]
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == 4
+
+
+def test_out_of_memory_in_decode_restarts_the_rows_and_counts_their_tokens_once(tiny, monkeypatch):
+    """A decode step that runs out of memory requeues every running row from scratch, at most half as many in
+    flight: the tokens are the same as without the error, and the live progress counter (generated_tokens, what
+    the actor's progress lines report) counts each kept token once, not the dropped ones as well."""
+    # decode_ahead off: every step is a runner.decode call
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=4, decode_ahead=False))
+    reqs = requests(torch.randint(10, 30, (4,)).tolist(), torch.randint(6, 12, (4,)).tolist(),
+                    seed=int(torch.randint(0, 1000, ())))
+    expected = [c.token_ids for c in engine.generate(reqs)]
+    real_decode, calls = engine.runner.decode, []
+    fail_at = int(torch.randint(2, 5, ()))
+
+    def decode(*args, **kwargs):
+        calls.append(len(args[0]))
+        if len(calls) == fail_at:
+            raise torch.OutOfMemoryError("simulated")
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "decode", decode)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    before = engine.generated_tokens
+    out = engine.generate(reqs)
+    assert [c.token_ids for c in out] == expected and engine.stats()["oom_retries"] == 1
+    assert engine.generated_tokens - before == sum(len(t) for t in expected)
+    assert max(calls[fail_at:]) <= 2  # half the rows in flight after the error
+
+
+def test_an_interrupted_prefill_gives_its_slots_back_and_the_engine_goes_on(tiny):
+    """A KeyboardInterrupt (not an Exception) inside a prefill: generate() re-raises it, no slot or page stays
+    taken, and the next call runs every request. A step that finds waiting rows with none running and no room
+    (cache bookkeeping lost) raises instead of spinning."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=None, max_batch_size=2, page_size=16))
+    reqs = requests(torch.randint(20, 40, (2,)).tolist(), [6, 6], seed=int(torch.randint(0, 1000, ())))
+    expected = [c.token_ids for c in engine.generate(reqs)]
+    real_prefill = engine.runner.prefill
+
+    def interrupted(*args, **kwargs):
+        engine.runner.prefill = real_prefill
+        raise KeyboardInterrupt
+
+    engine.runner.prefill = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(reqs)
+    assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == engine.blocks.num_slots
+    assert [c.token_ids for c in engine.generate(reqs)] == expected
+    engine.blocks.free_pages.clear()  # as if every page had leaked
+    engine.add(reqs[:1])
+    with pytest.raises(RuntimeError, match="bookkeeping"):
+        engine.step()

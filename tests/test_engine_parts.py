@@ -17,7 +17,8 @@ from pipeline.actors.engine.request import Sequence
 
 @pytest.mark.parametrize("bad", [dict(mlp_chunk_tokens=0), dict(mlp_chunk_tokens=1.5), dict(max_prefill_tokens=0),
                                  dict(gpu_memory_utilization=1.5), dict(memory_limit_gib=-1),
-                                 dict(growth_plan_share=0), dict(growth_plan_share=1.5)])
+                                 dict(growth_plan_share=0), dict(growth_plan_share=1.5),
+                                 dict(growth_plan_share=True)])
 def test_engine_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         EngineConfig(**bad)
@@ -86,11 +87,12 @@ def test_warm_up_lengths_follow_the_cache_and_stay_in_the_budget():
     assert EngineConfig().warm_up_lengths(50, on_cuda=True) == [49, 49]
 
 
-def _running(sched, prompts: list[int], max_new: int, grows: bool = False) -> list[Sequence]:
-    """Queue prompts of these lengths, admit them through next_prefill as the engine does, and start those admitted
-    running."""
-    for i, n in enumerate(prompts):
-        seq = Sequence.start(i, Request(f"r{i}", [1] * n, SamplingParams(max_new_tokens=max_new)), max_new)
+def _running(sched, prompts: list[int], max_new: int | list[int], grows: bool = False) -> list[Sequence]:
+    """Queue prompts of these lengths (each with max_new new tokens, or its own), admit them through next_prefill
+    as the engine does, and start those admitted running."""
+    news = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    for i, (n, new) in enumerate(zip(prompts, news, strict=True)):
+        seq = Sequence.start(i, Request(f"r{i}", [1] * n, SamplingParams(max_new_tokens=new)), new)
         seq.grows = grows
         sched.add(seq)
     batch = sched.next_prefill()
@@ -243,3 +245,24 @@ def test_growing_sequences_are_admitted_while_their_projected_pages_fit():
     assert len(more) == min(4, (4 * whole + 2) // projected - 2) and len(more) > 2  # more than came back
     seq = Sequence.start(99, Request("x", [1] * prompt, SamplingParams(max_new_tokens=max_new)), max_new)
     assert sched._fits(seq, []) == (len(blocks.free_pages) >= whole)  # a row that does not grow: its whole length
+
+
+def test_reserve_never_preempts_a_row_that_holds_its_whole_length_nor_one_that_can_take_its_next_step():
+    """reserve() when too few pages are free for an older row's lookahead: the row takes what its next step needs
+    if that fits (here nothing more), and a newer row that already holds its whole length is never the victim."""
+    from pipeline.actors.engine import scheduler
+    from pipeline.actors.engine.scheduler import GROWTH_LOOKAHEAD, Scheduler
+
+    page = int(torch.randint(4, GROWTH_LOOKAHEAD // 2 + 1, ()))
+    pages_for = lambda n: -(-n // page)  # noqa: E731
+    blocks = BlockManager(num_slots=2, num_pages=pages_for(page + GROWTH_LOOKAHEAD) + 2, pages_for=pages_for)
+    sched = Scheduler(blocks, prefill_tokens=4 * page)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "INITIAL_SHARE", 0.0)
+        old, new = _running(sched, [page, page], max_new=[8 * page, 2], grows=True)
+    assert len(new.pages) == 2 and blocks.holds(new, new.total_len) and not blocks.free_pages
+    old.output = [1] * int(torch.randint(GROWTH_LOOKAHEAD - page + 1, GROWTH_LOOKAHEAD, ()))  # room for a step
+    assert blocks.holds(old, old.cached_len + 1) and not blocks.holds(old, old.cached_len + GROWTH_LOOKAHEAD)
+    assert sched.reserve() == ([old], []) and new.preemptions == 0 and new.slot >= 0
+    old.output += [1] * (len(old.pages) * page - old.cached_len)  # now its next step needs a page: none is free
+    assert sched.reserve() == ([], [old]) and old.preemptions == 1 and new.preemptions == 0

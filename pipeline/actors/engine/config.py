@@ -74,8 +74,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
-        if self.growth_plan_share is not None and not (isinstance(self.growth_plan_share, (int, float))
-                                                       and 0 < self.growth_plan_share <= 1):
+        share = self.growth_plan_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise ValueError(f"growth_plan_share must be in (0, 1] or None, got {self.growth_plan_share!r}")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise ValueError(f"memory_limit_gib must be positive, got {self.memory_limit_gib!r}")

@@ -156,8 +156,10 @@ class LLMEngine:
         batch = self.scheduler.next_prefill()
         if batch:
             self._prefill(batch)
-        else:
+        elif self.scheduler.running:
             self._decode()
+        elif self.scheduler.waiting:  # nothing runs, so every slot and page is free: the head must have fitted
+            raise RuntimeError(self.scheduler.stalled())
 
     # -- steps -----------------------------------------------------------------------------
     def _prefill(self, batch: list[Sequence]) -> None:
@@ -170,9 +172,10 @@ class LLMEngine:
         except torch.OutOfMemoryError:
             self._out_of_memory(batch, prefill=True)
             return
-        except Exception:  # admitted but not running: nothing else would give their slots and pages back
-            for seq in batch:
+        except BaseException:  # admitted but not running (an error, or an interrupt): requeued, so that abort()
+            for seq in reversed(batch):  # gives them back or the next step admits them again
                 self.blocks.release(seq)
+                self.scheduler.waiting.appendleft(seq)
             raise
         self.scheduler.start_running(batch)
         lengths = [(s.cached_len, len(s.output)) for s in batch]  # prefilled, and of them output (a preempted row)
@@ -246,6 +249,7 @@ class LLMEngine:
             failed.preemptions = seqs[0].preemptions
             self._complete(seqs[0], failed)
             return
+        self.generated_tokens -= sum(len(s.output) for s in seqs)  # shrink drops their output: it is made again
         self.scheduler.shrink(seqs, prefill=prefill)
         log.warning("CUDA out of memory: requeued %d sequences, prefill budget now %d tokens",
                     len(seqs), self.scheduler.prefill_tokens)

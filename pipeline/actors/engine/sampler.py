@@ -1,7 +1,8 @@
 """Batched token sampling: greedy, temperature, top-k and top-p, reproducible per request seed.
 
-Random draws come from a counter-based hash of (seed, step, token id), so a request's tokens do
-not depend on which other requests share its batch.
+Random draws come from a counter-based hash of (seed, step, token id), so a request's draws do
+not depend on which other requests share its batch (its logits still can, in their last bits, and over a
+KIVI cache after a preemption rebuilt its cache from prompt + output: README, "Seeds").
 """
 
 from __future__ import annotations

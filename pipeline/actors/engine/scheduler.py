@@ -48,6 +48,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stalled(self) -> str:
+        """Why waiting sequences cannot start although none runs (a slot or page lost: the step would spin)."""
+        return (f"{len(self.waiting)} waiting requests fit no free slot and pages ({len(self.blocks.free_slots)} of "
+                f"{self.blocks.num_slots} slots, {len(self.blocks.free_pages)} of {self.blocks.num_pages} pages free) "
+                "with none running: the engine's cache bookkeeping is broken")
+
     def next_prefill(self) -> list[Sequence]:
         """Admit waiting sequences in order while they fit; their padded batch stays under the budget, and no
         prompt in it is under half the batch's longest."""
@@ -97,16 +103,19 @@ class Scheduler:
 
     def reserve(self) -> tuple[list[Sequence], list[Sequence]]:
         """Before a run of decode steps: each growing sequence in flight (oldest first) that holds fewer than
-        GROWTH_LOOKAHEAD tokens past its cached length gets pages for them; when too few pages are free, the
-        newest growing sequences in flight are preempted (it may be the one that grows itself; a sequence that
-        holds its whole length never is). Returns (grown, preempted)."""
+        GROWTH_LOOKAHEAD tokens past its cached length gets pages for them, or failing that for its next step;
+        when too few pages are free even for that, the newest growing sequences in flight that do not yet hold
+        their whole length are preempted (it may be the one that grows itself; a sequence that holds its whole
+        length never is). Returns (grown, preempted)."""
         grown: list[Sequence] = []
         preempted: list[Sequence] = []
         for seq in list(self.running):  # admission order
             if not seq.grows or seq.slot < 0 or self.blocks.holds(seq, target := _lookahead_len(seq)):
                 continue  # holds its whole length, preempted just now, or room enough
-            while not self.blocks.grow(seq, target):
-                victim = next(s for s in reversed(self.running) if s.grows)  # seq itself at the latest
+            while not (self.blocks.grow(seq, target) or self.blocks.grow(seq, seq.cached_len + 1)):
+                # seq itself at the latest: it holds less than its lookahead, so less than its whole length
+                victim = next(s for s in reversed(self.running)
+                              if s.grows and (s is seq or not self.blocks.holds(s, s.total_len)))
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
