@@ -19,10 +19,10 @@ class BlockManager:
         self.pages_for = pages_for  # tokens -> pages
         self.num_slots, self.num_pages = num_slots, num_pages
 
-    def can_admit(self, seq: Sequence, tokens: int | None = None, spare_pages: int = 0) -> bool:
-        """A free slot, and the pages of `tokens` (default: its whole length) with `spare_pages` left over."""
+    def can_admit(self, seq: Sequence, tokens: int | None = None) -> bool:
+        """A free slot, and the pages of `tokens` (default: its whole length)."""
         need = self.pages_for(seq.total_len if tokens is None else tokens)
-        return bool(self.free_slots) and len(self.free_pages) >= need + spare_pages
+        return bool(self.free_slots) and len(self.free_pages) >= need
 
     def fits_ever(self, seq: Sequence) -> bool:
         return self.pages_for(seq.total_len) <= self.num_pages
