@@ -18,6 +18,7 @@ import torch
 from pipeline.actors.engine.build import allocate_parts
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.counters import EngineCounters
+from pipeline.actors.engine.kv_cache import engine_storage
 from pipeline.actors.engine.memory import build_shrinking
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
@@ -82,7 +83,8 @@ class LLMEngine:
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
         share = self.config.growth_plan_share
         if share is None:  # half lengths where a slot costs nothing but its pages, whole ones where it holds a ring
-            share = 1.0 if self.config.kivi is not None else 0.5
+            ring = engine_storage(self.config, self.device).slot_bytes(1, 1, next(self.model.parameters()).dtype)
+            share = 1.0 if ring else 0.5
         lens = [s.plan_len(share) for s in seqs]
         parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
