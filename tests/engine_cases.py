@@ -41,9 +41,12 @@ def hf_greedy(model, prompt: list[int], n: int, cache) -> tuple[list[int], int]:
     return out.sequences[0, len(prompt):].tolist(), clear
 
 
-def requests(lengths, new_tokens, seed=0):
+def requests(lengths, new_tokens, seed=0, **sampling):
+    """Requests r0, r1, ... of random prompts of these lengths, each asking for its new tokens (and `sampling`'s
+    other SamplingParams, e.g. stop=("@",): a stop string the stub tokenizer never writes, so rows may stop early)."""
     gen = torch.Generator().manual_seed(seed)
-    return [Request(f"r{i}", torch.randint(0, VOCAB, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=m))
+    return [Request(f"r{i}", torch.randint(0, VOCAB, (n,), generator=gen).tolist(),
+                    SamplingParams(max_new_tokens=m, **sampling))
             for i, (n, m) in enumerate(zip(lengths, new_tokens, strict=True))]
 
 

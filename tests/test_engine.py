@@ -316,10 +316,8 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
     from pipeline.actors.engine.kv_cache import engine_storage
     from pipeline.actors.engine.memory import CachePlan
 
-    reqs = [Request(r.request_id, r.prompt_token_ids, SamplingParams(max_new_tokens=r.sampling.max_new_tokens,
-                                                                     stop=("@",)))
-            for r in requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
-                              seed=int(torch.randint(0, 1000, ())))]
+    reqs = requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
+                    seed=int(torch.randint(0, 1000, ())), stop=("@",))
     monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)
     kc = SMALL_KIVI if cache_kind == "kivi" else None
     config = EngineConfig(kivi=kc, max_batch_size=4, page_size=16, page_growth=True)

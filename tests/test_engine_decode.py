@@ -231,10 +231,8 @@ def test_page_growth_on_a_gpu_preempts_and_keeps_the_tokens(monkeypatch):
     # it was admitted with (KIVI's ring of 128 holds the first page's worth), and the cache holds 2 more than one row
     # (rows grow where they may stop early: here a stop string the stub tokenizer never writes; INITIAL_SHARE 0:
     # admitted by their prefill's pages alone until a row has finished)
-    reqs = [Request(r.request_id, r.prompt_token_ids, SamplingParams(max_new_tokens=r.sampling.max_new_tokens,
-                                                                     stop=("@",)))
-            for r in requests(torch.randint(90, 112, (5,)).tolist(), torch.randint(50, 80, (5,)).tolist(),
-                              seed=int(torch.randint(0, 1000, ())))]
+    reqs = requests(torch.randint(90, 112, (5,)).tolist(), torch.randint(50, 80, (5,)).tolist(),
+                    seed=int(torch.randint(0, 1000, ())), stop=("@",))
     monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)
     expected, _ = gpu_fp32_tokens(reqs, max_batch_size=4)
     plan_for = build.plan_for
