@@ -357,6 +357,48 @@ def test_preempted_sequences_resume_from_prompt_and_output(tiny, cache_kind, mon
     assert engine.blocks.pages_in_use == 0 and len(engine.blocks.free_slots) == plan.num_slots
 
 
+def test_time_per_token_leaves_out_the_time_a_row_spent_preempted(tiny, monkeypatch):
+    """A clock that jumps 1,000 s at every preemption: a row's decode_s and preempted_s together span its first to
+    last token (jumps counted by rounding), preempted_s holds at least its own preemptions' jumps (it waits through
+    them), and a row never preempted has none; so decode_s, behind the shards' time per output token, leaves out a
+    preempted row's wait."""
+    from pipeline.actors.engine import build, scheduler
+    from pipeline.actors.engine.kv_cache import engine_storage
+    from pipeline.actors.engine.memory import CachePlan
+
+    reqs = requests(torch.randint(30, 60, (5,)).tolist(), torch.randint(40, 70, (5,)).tolist(),
+                    seed=int(torch.randint(0, 1000, ())), stop=("@",))
+    monkeypatch.setattr(scheduler, "INITIAL_SHARE", 0.0)
+    config = EngineConfig(kivi=None, max_batch_size=4, page_size=16, page_growth=True)
+    pages_for = engine_storage(config, torch.device("cpu")).pages_for
+    whole = max(pages_for(len(r.prompt_token_ids) + r.sampling.max_new_tokens) for r in reqs)
+    plan = CachePlan(num_slots=4, num_pages=whole + 3, budget_bytes=0, workspace_bytes=0)
+    monkeypatch.setattr(build, "plan_for", lambda *args, **kwargs: plan)
+    jumps, real_clock, preempt = [0], time.perf_counter, scheduler.Scheduler.preempt
+
+    def preempt_and_jump(self, seq):
+        preempt(self, seq)  # stamps the row's preemption, then the clock jumps
+        jumps[0] += 1
+
+    monkeypatch.setattr(scheduler.Scheduler, "preempt", preempt_and_jump)
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + 1000.0 * jumps[0])
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    last_jump = {}
+    subs = [engine.add([r], on_done=lambda sub, rid=r.request_id: last_jump.setdefault(rid, jumps[0])) for r in reqs]
+    while engine.has_work():
+        engine.step()
+    assert jumps[0] > 0 and len(last_jump) == len(reqs)
+    for req, sub in zip(reqs, subs, strict=True):
+        (comp,) = sub.results
+        assert len(comp.token_ids) == req.sampling.max_new_tokens
+        first_jump = round(comp.ttft_s / 1000)  # every row arrived before the first jump
+        span = last_jump[req.request_id] - first_jump
+        assert round(comp.decode_s / 1000) + round(comp.preempted_s / 1000) == span, req.request_id
+        assert round(comp.preempted_s / 1000) >= comp.preemptions
+        assert comp.preempted_s == 0 if comp.preemptions == 0 else comp.preempted_s > 0
+    assert sum(sub.results[0].preemptions for sub in subs) == jumps[0]
+
+
 def test_rows_grow_where_they_may_stop_early(tiny):
     """With page_growth a row takes pages as it grows where it may stop early: the model has an EOS
     that the row does not ignore, or the row has a stop string. Rows that run to max_new_tokens (ignore_eos, or no

@@ -266,6 +266,9 @@ class LLMEngine:
             if seq.finish_reason:
                 continue
             seq.t_first = seq.t_first or now
+            if seq.t_preempted is not None:  # the first token of its rebuild (a resumed prefill)
+                seq.preempted_s += now - seq.t_preempted
+                seq.t_preempted = None
             if token in self.eos_ids and not seq.request.sampling.ignore_eos:
                 seq.finish_reason = "stop"
             else:
@@ -286,8 +289,8 @@ class LLMEngine:
         self._complete(seq, Completion(
             request_id=seq.request.request_id, text=seq.text, token_ids=list(seq.output),
             num_input_tokens=seq.prompt_len, finish_reason=seq.finish_reason,
-            ttft_s=seq.t_first - max(seq.submission.t_start, self.ready_at), decode_s=now - seq.t_first,
-            preemptions=seq.preemptions,
+            ttft_s=seq.t_first - max(seq.submission.t_start, self.ready_at),
+            decode_s=now - seq.t_first - seq.preempted_s, preemptions=seq.preemptions, preempted_s=seq.preempted_s,
         ))
 
     def _complete(self, seq: Sequence, completion: Completion) -> None:

@@ -132,8 +132,9 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None
     ttft_s: float | None = None
-    decode_s: float | None = None
+    decode_s: float | None = None  # first token to last, less the time it spent preempted (Sequence.preempted_s)
     preemptions: int = 0  # times its cache was given up for others' and rebuilt by a prefill of prompt + output
+    preempted_s: float = 0.0  # time from its preemptions to the first token of each rebuild
 
 
 @dataclass(eq=False)
@@ -165,6 +166,8 @@ class Sequence:
     text: str | None = None  # set when a stop string cuts the output
     t_first: float | None = None
     preemptions: int = 0  # times it gave up its cache to older sequences (Scheduler.preempt) and was requeued
+    t_preempted: float | None = None  # perf_counter at its last preemption, until its rebuild's first token
+    preempted_s: float = 0.0  # time out of the cache: from each preemption to the token its rebuild made
     grows: bool = False  # takes pages as it grows (EngineConfig.page_growth, for a row that may stop early)
 
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 
 from pipeline.actors.engine.block_manager import BlockManager
@@ -130,6 +131,7 @@ class Scheduler:
         self.blocks.release(seq)
         self.running.remove(seq)
         seq.preemptions += 1
+        seq.t_preempted = time.perf_counter()
         self.waiting.appendleft(seq)
 
     def start_running(self, batch: list[Sequence]) -> None:
@@ -164,6 +166,7 @@ class Scheduler:
             if seq in self.running:
                 self.running.remove(seq)
             seq.output, seq.t_first, seq.finish_reason, seq.text = [], None, None, None
+            seq.t_preempted, seq.preempted_s = None, 0.0  # its clock starts again with its new first token
             self.waiting.appendleft(seq)
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
         if prefill:
