@@ -21,7 +21,7 @@ WINDOW_S=${WINDOW_S:-35}
 BUDGET_S=570
 mkdir -p "$OUT"
 
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_engine_decode.py tests/test_fused_layers.py \
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_engine_growth.py tests/test_engine_decode.py tests/test_fused_layers.py \
     tests/test_silu_mul.py > "$OUT/gpu-tests.log" 2>&1
 echo "GPU tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 
