@@ -86,7 +86,8 @@ class LLMEngine:
             ring = engine_storage(self.config, self.device).slot_bytes(1, 1, next(self.model.parameters()).dtype)
             share = 1.0 if ring else 0.5
         lens = [s.plan_len(share) for s in seqs]
-        parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final)
+        parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final,
+                               prompt_lens=[s.prompt_len for s in seqs])
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
         self.scheduler, self.runner = parts.scheduler, parts.runner
 

@@ -25,6 +25,7 @@ class CachePlan:
     budget_bytes: int  # what the cache was allowed to take
     workspace_bytes: int  # measured activation peak set aside
     limit_bytes: int = 0  # the whole limit the plan split (0: none given, nothing for check_headroom to check)
+    scratch_bytes: int = 0  # set aside for a chunked prompt's full-precision keys and values (scratch_bytes())
 
 
 class HeadroomShortfall(Exception):
@@ -72,11 +73,23 @@ def mean_pages(total_lens: list[int], pages_for) -> float:
     return sum(pages_for(n) for n in total_lens) / len(total_lens) + PAGE_SLACK
 
 
+def scratch_bytes(prompt_lens: list[int], max_prefill_tokens: int, layers: int, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
+    """Bytes of the full-precision keys and values that a prefill in chunks keeps for its whole prompt
+    (EngineCache.set_chunk), for the longest of `prompt_lens` that is longer than max_prefill_tokens (0 if none
+    is: no prompt of these goes through in chunks)."""
+    chunked = [n for n in prompt_lens if n > max_prefill_tokens]
+    if not chunked:
+        return 0
+    return 2 * layers * kv_heads * max(chunked) * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_bytes: int, slot_bytes: int,
                pages_per_seq: float, max_batch: int, min_pages: int, max_pages_per_slot: int,
-               budget_scale: float = 1.0) -> CachePlan:
+               budget_scale: float = 1.0, scratch: int = 0) -> CachePlan:
     """Split the bytes left under `limit_bytes` (times budget_scale: a build retried after running out of memory)
-    into slots and pages.
+    into slots and pages, after the weights (`used_bytes`), the activations (`workspace_bytes`) and a chunked
+    prompt's scratch (`scratch`, scratch_bytes).
 
     Sequences of about `pages_per_seq` pages each decide how many slots are worth having, as long as
     `min_pages` pages (a sequence of the longest length) are left; every byte not spent on slots becomes
@@ -86,7 +99,7 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
     if not 0 < budget_scale <= 1:
         raise ValueError(f"budget_scale must be in (0, 1], got {budget_scale!r}")
     margin = limit_bytes // 50 if workspace_bytes else 0  # allocator fragmentation and graph pools on a GPU
-    budget = int((limit_bytes - used_bytes - workspace_bytes - margin) * budget_scale)
+    budget = int((limit_bytes - used_bytes - workspace_bytes - scratch - margin) * budget_scale)
     per_seq = slot_bytes + pages_per_seq * page_bytes
     num_slots = int(max(1, min(max_batch, budget // max(per_seq, 1))))
     # fewer slots rather than fewer pages than one sequence of the longest length needs
@@ -98,18 +111,20 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
         raise ValueError(
             f"the KV cache does not fit: {budget / 2**30:.2f} GiB left for it under a limit of "
             f"{limit_bytes / 2**30:.2f} GiB (weights {used_bytes / 2**30:.2f} GiB, activations "
-            f"{workspace_bytes / 2**30:.2f} GiB{scaled}); one sequence needs {min_pages} pages of {page_bytes} bytes"
+            f"{workspace_bytes / 2**30:.2f} GiB, a chunked prompt's scratch {scratch / 2**30:.2f} GiB{scaled}); "
+            f"one sequence needs {min_pages} pages of {page_bytes} bytes"
         )
     return CachePlan(num_slots=num_slots, num_pages=num_pages, budget_bytes=budget, workspace_bytes=workspace_bytes,
-                     limit_bytes=limit_bytes)
+                     limit_bytes=limit_bytes, scratch_bytes=scratch)
 
 
 def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None,
-             budget_scale: float = 1.0) -> CachePlan:
+             budget_scale: float = 1.0, prompt_lens: list[int] | None = None) -> CachePlan:
     """The cache plan of an engine (EngineConfig `config`, its cache `storage`) for sequences of these total
     lengths. On a GPU the limit is memory_limit_gib, or gpu_memory_utilization of the device, less the weights
     allocated now and the measured workspace of a prefill forward (run under `fused`, as the engine's forwards
-    will be); on a CPU it is cpu_cache_gib, all of it for the cache. budget_scale as in plan_cache."""
+    will be); on a CPU it is cpu_cache_gib. Either way the scratch of the longest of `prompt_lens` that goes
+    through in chunks is set aside (scratch_bytes); the rest is the cache's. budget_scale as in plan_cache."""
     param = next(model.parameters())
     layers, kv_heads, head_dim = kv_shape(model.config)
     if param.device.type == "cuda":
@@ -127,7 +142,9 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
                       slot_bytes=storage.slot_bytes(kv_heads, head_dim, param.dtype) * layers,
                       pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
                       min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages,
-                      budget_scale=budget_scale)
+                      budget_scale=budget_scale,
+                      scratch=scratch_bytes(prompt_lens or [], config.max_prefill_tokens, layers, kv_heads, head_dim,
+                                            param.dtype))
 
 
 def reserved_bytes(device: torch.device) -> int | None:
@@ -146,9 +163,9 @@ def check_headroom(plan: CachePlan, reserved: int | None, strict: bool = True) -
     prefill of workloads a, b, d and e ran out of memory (engine-20261130-h200x2-llama3-80-*.json)."""
     if reserved is None or not plan.limit_bytes:
         return
-    free = plan.limit_bytes - reserved
-    if free < plan.workspace_bytes:
-        short = HeadroomShortfall(plan.workspace_bytes - free, plan.budget_bytes)
+    free, needed = plan.limit_bytes - reserved, plan.workspace_bytes + plan.scratch_bytes
+    if free < needed:
+        short = HeadroomShortfall(needed - free, plan.budget_bytes)
         if strict:
             raise short
         log.warning("%s; prefills that run out of memory will be retried smaller", short)
