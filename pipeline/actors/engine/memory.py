@@ -33,7 +33,8 @@ class HeadroomShortfall(Exception):
     graphs are captured (their memory pool is only known then): the next build needs `deficit_bytes` less."""
 
     def __init__(self, deficit_bytes: int, budget_bytes: int) -> None:
-        super().__init__(f"the build left {deficit_bytes / 2**30:.2f} GiB less than the prefill workspace free")
+        super().__init__(f"the build left {deficit_bytes / 2**30:.2f} GiB less than the prefill workspace (and a "
+                         "chunked prompt's scratch) free")
         self.deficit_bytes, self.budget_bytes = deficit_bytes, budget_bytes
 
 
