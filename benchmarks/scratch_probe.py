@@ -47,9 +47,9 @@ def main() -> None:
     else:
         shape, long_len, short_len, budget = SMOKE_MODELS["tiny-gqa"], 200, 20, 64
     model = build_model(shape, device)
-    if args.no_scratch:  # the plan before: prompts not passed on, so nothing is set aside
+    if args.no_scratch:  # the plan before: no prefill lengths passed on, so nothing is set aside
         real = build.plan_for
-        build.plan_for = lambda *a, **kw: real(*a, **{**kw, "prompt_lens": None})
+        build.plan_for = lambda *a, **kw: real(*a, **{**kw, "prefill_lens": None})
     config = EngineConfig(memory_limit_gib=args.cap_gib if cuda else None, max_prefill_tokens=budget,
                           max_batch_size=256)
     engine = LLMEngine(model, StubTokenizer(), config)

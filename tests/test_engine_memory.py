@@ -32,55 +32,6 @@ def test_memory_plan_splits_budget_into_slots_and_pages():
                        pages_per_seq=4, max_batch=100, min_pages=2, max_pages_per_slot=8, budget_scale=bad)
 
 
-def test_memory_plan_sets_a_chunked_prompts_scratch_aside():
-    """plan_cache takes the scratch off the budget like the weights; scratch_bytes counts keys and values of every
-    layer for the longest prompt past max_prefill_tokens, and nothing when no prompt goes through in chunks."""
-    from pipeline.actors.engine.memory import scratch_bytes
-
-    args = dict(limit_bytes=100_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
-                pages_per_seq=4, max_batch=1_000, min_pages=2, max_pages_per_slot=8)
-    scratch = int(torch.randint(1, 50_000, ()))
-    plain, aside = plan_cache(**args), plan_cache(**args, scratch=scratch)
-    assert plain.budget_bytes - aside.budget_bytes == scratch and aside.scratch_bytes == scratch
-    assert aside.num_slots == aside.budget_bytes // 700 < plain.num_slots
-    with pytest.raises(ValueError, match="scratch 0.00 GiB"):
-        plan_cache(**{**args, "limit_bytes": 5_000}, scratch=2_000)
-    lens = torch.randint(10, 200, (6,)).tolist()
-    budget = int(torch.randint(5, 250, ()))
-    expected = 2 * 3 * 2 * max([n for n in lens if n > budget], default=0) * 8 * 2  # K and V, 3 layers, bf16
-    assert scratch_bytes(lens, budget, layers=3, kv_heads=2, head_dim=8, dtype=torch.bfloat16) == expected
-    assert scratch_bytes(lens, max(lens), layers=3, kv_heads=2, head_dim=8, dtype=torch.float32) == 0
-
-
-def test_engine_plan_holds_the_scratch_its_longest_chunked_prompt_allocates(tiny, monkeypatch):
-    """On the CPU (cpu_cache_gib for the cache and the scratch): a prompt past max_prefill_tokens among the
-    requests the plan is made for takes exactly what its prefill's scratch then allocates off the cache's budget;
-    without it the plan has the whole limit."""
-    from pipeline.actors.engine import LLMEngine
-    from pipeline.actors.engine.kv_cache import EngineCache
-    from tests.engine_cases import StubTokenizer, requests
-
-    allocated, set_chunk = [], EngineCache.set_chunk
-
-    def spy(self, *args):
-        fresh = not self.scratch
-        set_chunk(self, *args)
-        if fresh:
-            allocated.append(sum(k.nbytes + v.nbytes for k, v in self.scratch))
-
-    monkeypatch.setattr(EngineCache, "set_chunk", spy)
-    config = EngineConfig(max_prefill_tokens=32, cpu_cache_gib=1 / 64, max_batch_size=4)
-    long = int(torch.randint(40, 90, ()))
-    engine = LLMEngine(tiny, StubTokenizer(), config)
-    out = engine.generate(requests([long, 20, 33], [3, 3, 3], seed=int(torch.randint(0, 1000, ()))))
-    assert [len(c.token_ids) for c in out] == [3, 3, 3]
-    assert allocated and engine.plan.scratch_bytes == max(allocated) > 0  # the longest chunked prompt's
-    assert engine.plan.budget_bytes == int(config.cpu_cache_gib * 2**30) - engine.plan.scratch_bytes
-    short = LLMEngine(tiny, StubTokenizer(), config)
-    short.generate(requests([20, 30], [3, 3]))
-    assert short.plan.scratch_bytes == 0 and short.plan.budget_bytes == int(config.cpu_cache_gib * 2**30)
-
-
 def test_mean_pages_counts_each_sequence_in_whole_pages(monkeypatch):
     """The slot plan's pages per sequence: each length rounded up on its own (equal lengths: exactly their pages;
     mixed: more than the mean length's pages), with PAGE_SLACK on top."""

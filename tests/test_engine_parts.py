@@ -202,8 +202,10 @@ def test_a_resumed_prefill_that_runs_out_of_memory_halves_the_budget_from_what_i
     sched.add(seq)
     batch = sched.next_prefill()
     ran = seq.cached_len
+    seq.preemptions, seq.preempted_s, seq.t_preempted = 2, 1.5, 3.0  # from its run before: a rebuild was waiting
     sched.shrink(batch, prefill=True)
     assert sched.max_prefill_tokens == ran // 2 and sched.prefill_tokens == ran // 2 and seq.output == []
+    assert (seq.preemptions, seq.preempted_s, seq.t_preempted) == (0, 0.0, None)  # they describe the output it lost
 
 
 def test_block_manager_grows_only_with_free_pages():

@@ -39,6 +39,23 @@ def test_cpu_dtype_hint_only_for_bf16_on_a_cpu_without_bf16(tmp_path):
     assert cpu_has_native_bf16(str(tmp_path / "absent")) is None
 
 
+def test_time_per_output_token_counts_the_tokens_decode_steps_made():
+    """A row's time per token: decode_s over its tokens after the first, less the one each rebuild after a
+    preemption made (its time is not in decode_s); None where no decode step made a token."""
+    from pipeline.actors.actor import _time_per_output_token
+    from pipeline.actors.engine.request import Completion
+
+    n, preempted, decode_s = random.randint(5, 40), random.randint(1, 3), random.uniform(0.5, 2.0)
+    row = Completion("r", "", list(range(n)), 3, "length", decode_s=decode_s)
+    assert _time_per_output_token(row) == pytest.approx(decode_s / (n - 1))
+    row.preemptions = preempted
+    assert _time_per_output_token(row) == pytest.approx(decode_s / (n - 1 - preempted))
+    row.preemptions = n - 1  # every token after the first from a rebuild
+    assert _time_per_output_token(row) is None
+    assert _time_per_output_token(Completion("r", "", [7], 3, "length", decode_s=0.0)) is None
+    assert _time_per_output_token(None) is None
+
+
 def test_prompt_sources():
     tok = FakeTokenizer()
     assert prompts.prompt_text({"prompt": "hi"}, "prompt", None, tok, chat=False) == "hi"

@@ -172,10 +172,10 @@ class GenerateActor:
 
 
 def _time_per_output_token(c) -> float | None:
-    """Seconds per generated token after the first (None without a decode phase)."""
-    if c is None or c.decode_s is None or len(c.token_ids) < 2:
-        return None
-    return c.decode_s / (len(c.token_ids) - 1)
+    """Seconds per token that a decode step made (after the first token, and but for the tokens that a preempted
+    row's rebuilds made, whose time decode_s leaves out); None without a decode step."""
+    steps = 0 if c is None or c.decode_s is None else len(c.token_ids) - 1 - c.preemptions
+    return c.decode_s / steps if steps > 0 else None
 
 
 def _actor_id() -> str:

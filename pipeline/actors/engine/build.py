@@ -29,8 +29,8 @@ class EngineParts:
 
 
 def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model_len: int, budget_scale: float,
-                   final: bool, prompt_lens: list[int] | None = None) -> EngineParts:
-    """Plan the cache for sequences of these total lengths (and prompts: the longest that goes through in chunks
+                   final: bool, prefill_lens: list[int] | None = None) -> EngineParts:
+    """Plan the cache for sequences of these total lengths (and prefills: the longest that goes through in chunks
     has its scratch set aside) at budget_scale of the memory budget, allocate it and
     capture the decode graphs. Raises memory.HeadroomShortfall (only when not final) if the graphs' pool left less
     than the plan's prefill workspace, and torch.OutOfMemoryError as the device does (memory.build_shrinking retries
@@ -38,7 +38,7 @@ def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model
     param = next(model.parameters())
     storage, fused = engine_storage(config, param.device), fused_layers(model, config, param.device)
     plan = plan_for(model, storage, config, total_lens, max_model_len, fused, budget_scale=budget_scale,
-                    prompt_lens=prompt_lens)
+                    prefill_lens=prefill_lens)
     cache = EngineCache(model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                         max_pages_per_seq=max(1, storage.pages_for(max_model_len)),
                         dtype=param.dtype, device=param.device)

@@ -47,7 +47,7 @@ class EngineConfig:
     # with fused_layers: a prefill's MLPs on this many tokens at a time (None: whole), so the activation workspace
     # set aside from the cache holds one chunk's gate/up products (Llama-2-7B at 16,384 prefill tokens: ~1 GiB less)
     mlp_chunk_tokens: int | None = 4096
-    cpu_cache_gib: float = 1.0  # cache size on a CPU-only machine
+    cpu_cache_gib: float = 1.0  # KV memory on a CPU-only machine: the cache, and a chunked prefill's scratch
     # prefill two dummy prompts in free slots during the build, so that the prefill path's Triton kernels compile
     # there and not in the first rows' time to first token (1.5-2.5 s for SmolLM2 on an H200); None: on CUDA
     warm_prefill: bool | None = None

@@ -86,8 +86,10 @@ class LLMEngine:
             ring = engine_storage(self.config, self.device).slot_bytes(1, 1, next(self.model.parameters()).dtype)
             share = 1.0 if ring else 0.5
         lens = [s.plan_len(share) for s in seqs]
+        # the longest prefills: a prompt, or where a row grows (and may be preempted) its prompt and output
+        prefills = [s.total_len if s.grows else s.prompt_len for s in seqs]
         parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final,
-                               prompt_lens=[s.prompt_len for s in seqs])
+                               prefill_lens=prefills)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
         self.scheduler, self.runner = parts.scheduler, parts.runner
 
@@ -249,7 +251,7 @@ class LLMEngine:
             self.blocks.release(seqs[0])
             alone = f", in chunks of {chunk} tokens" if prefill else ""
             failed = seqs[0].request.error(f"CUDA out of memory for this request alone{alone}")
-            failed.preemptions = seqs[0].preemptions
+            failed.preemptions, failed.preempted_s = seqs[0].preemptions, seqs[0].preempted_s
             self._complete(seqs[0], failed)
             return
         self.generated_tokens -= sum(len(s.output) for s in seqs)  # shrink drops their output: it is made again

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -74,12 +75,12 @@ def mean_pages(total_lens: list[int], pages_for) -> float:
     return sum(pages_for(n) for n in total_lens) / len(total_lens) + PAGE_SLACK
 
 
-def scratch_bytes(prompt_lens: list[int], max_prefill_tokens: int, layers: int, kv_heads: int, head_dim: int,
+def scratch_bytes(prefill_lens: list[int], max_prefill_tokens: int, layers: int, kv_heads: int, head_dim: int,
                   dtype: torch.dtype) -> int:
-    """Bytes of the full-precision keys and values that a prefill in chunks keeps for its whole prompt
-    (EngineCache.set_chunk), for the longest of `prompt_lens` that is longer than max_prefill_tokens (0 if none
-    is: no prompt of these goes through in chunks)."""
-    chunked = [n for n in prompt_lens if n > max_prefill_tokens]
+    """Bytes of the full-precision keys and values that a prefill in chunks keeps for all its tokens
+    (EngineCache.set_chunk), for the longest of `prefill_lens` (a prompt, or the prompt and output that a preempted
+    row's rebuild prefills) that is longer than max_prefill_tokens (0 if none is: none goes through in chunks)."""
+    chunked = [n for n in prefill_lens if n > max_prefill_tokens]
     if not chunked:
         return 0
     return 2 * layers * kv_heads * max(chunked) * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -120,12 +121,13 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
 
 
 def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None,
-             budget_scale: float = 1.0, prompt_lens: list[int] | None = None) -> CachePlan:
+             budget_scale: float = 1.0, prefill_lens: list[int] | None = None) -> CachePlan:
     """The cache plan of an engine (EngineConfig `config`, its cache `storage`) for sequences of these total
     lengths. On a GPU the limit is memory_limit_gib, or gpu_memory_utilization of the device, less the weights
     allocated now and the measured workspace of a prefill forward (run under `fused`, as the engine's forwards
-    will be); on a CPU it is cpu_cache_gib. Either way the scratch of the longest of `prompt_lens` that goes
-    through in chunks is set aside (scratch_bytes); the rest is the cache's. budget_scale as in plan_cache."""
+    will be); on a CPU it is cpu_cache_gib. Either way the scratch of the longest of `prefill_lens` that goes
+    through in chunks is set aside (scratch_bytes) where the cache still fits beside it (else it is planned without,
+    with a warning, and that prefill may fail alone); the rest is the cache's. budget_scale as in plan_cache."""
     param = next(model.parameters())
     layers, kv_heads, head_dim = kv_shape(model.config)
     if param.device.type == "cuda":
@@ -138,14 +140,22 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
     else:
         limit, workspace, used = config.cpu_cache_gib * 2**30, 0, 0
     most_pages = max(1, storage.pages_for(max_model_len))
-    return plan_cache(limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
-                      page_bytes=storage.page_bytes(kv_heads, head_dim, param.dtype) * layers,
-                      slot_bytes=storage.slot_bytes(kv_heads, head_dim, param.dtype) * layers,
-                      pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
-                      min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages,
-                      budget_scale=budget_scale,
-                      scratch=scratch_bytes(prompt_lens or [], config.max_prefill_tokens, layers, kv_heads, head_dim,
-                                            param.dtype))
+    plan = partial(plan_cache, limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
+                   page_bytes=storage.page_bytes(kv_heads, head_dim, param.dtype) * layers,
+                   slot_bytes=storage.slot_bytes(kv_heads, head_dim, param.dtype) * layers,
+                   pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
+                   min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages, budget_scale=budget_scale)
+    scratch = scratch_bytes(prefill_lens or [], config.max_prefill_tokens, layers, kv_heads, head_dim, param.dtype)
+    try:
+        return plan(scratch=scratch)
+    except ValueError:
+        if not scratch:
+            raise
+        cache_only = plan()  # raises if the cache does not fit even alone
+        log.warning("no room beside the cache for a %.2f GiB prefill scratch (a prompt past max_prefill_tokens=%d):"
+                    " planned without it; that prefill may run out of memory and fail alone", scratch / 2**30,
+                    config.max_prefill_tokens)
+        return cache_only
 
 
 def reserved_bytes(device: torch.device) -> int | None:

@@ -132,9 +132,11 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None
     ttft_s: float | None = None
-    decode_s: float | None = None  # first token to last, less the time it spent preempted (Sequence.preempted_s)
-    preemptions: int = 0  # times its cache was given up for others' and rebuilt by a prefill of prompt + output
-    preempted_s: float = 0.0  # time from its preemptions to the first token of each rebuild
+    decode_s: float | None = None  # first token to last, less the time it spent preempted (preempted_s)
+    # times its cache was given up for others' and rebuilt by a prefill of prompt + output (each rebuild makes one
+    # of its tokens, so decode steps made len(token_ids) - 1 - preemptions); an OOM reset starts the count again
+    preemptions: int = 0
+    preempted_s: float = 0.0  # time from its preemptions to the token each rebuild made
 
 
 @dataclass(eq=False)

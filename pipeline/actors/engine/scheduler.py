@@ -166,7 +166,8 @@ class Scheduler:
             if seq in self.running:
                 self.running.remove(seq)
             seq.output, seq.t_first, seq.finish_reason, seq.text = [], None, None, None
-            seq.t_preempted, seq.preempted_s = None, 0.0  # its clock starts again with its new first token
+            # its clock and its count of rebuilds start again with its new output
+            seq.t_preempted, seq.preempted_s, seq.preemptions = None, 0.0, 0
             self.waiting.appendleft(seq)
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
         if prefill:

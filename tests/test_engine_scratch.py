@@ -1,0 +1,86 @@
+"""A prefill in chunks keeps its tokens' full-precision keys and values in a scratch (EngineCache.set_chunk): what the
+memory plan sets aside for it, and where it cannot. The rest of the plan: test_engine_memory.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kivi.models import kv_shape
+from pipeline.actors.engine import LLMEngine
+from pipeline.actors.engine.config import EngineConfig
+from pipeline.actors.engine.memory import plan_cache
+from tests.engine_cases import StubTokenizer, requests
+
+
+def test_memory_plan_sets_a_chunked_prompts_scratch_aside():
+    """plan_cache takes the scratch off the budget like the weights; scratch_bytes counts keys and values of every
+    layer for the longest prompt past max_prefill_tokens, and nothing when no prompt goes through in chunks."""
+    from pipeline.actors.engine.memory import scratch_bytes
+
+    args = dict(limit_bytes=100_000, used_bytes=2_000, workspace_bytes=1_000, page_bytes=100, slot_bytes=300,
+                pages_per_seq=4, max_batch=1_000, min_pages=2, max_pages_per_slot=8)
+    scratch = int(torch.randint(700, 50_000, ()))  # a slot and its pages' worth or more
+    plain, aside = plan_cache(**args), plan_cache(**args, scratch=scratch)
+    assert plain.budget_bytes - aside.budget_bytes == scratch and aside.scratch_bytes == scratch
+    assert aside.num_slots == aside.budget_bytes // 700 < plain.num_slots
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_cache(**{**args, "limit_bytes": 5_000}, scratch=2_000)
+    lens = torch.randint(10, 200, (6,)).tolist()
+    budget = int(torch.randint(5, 250, ()))
+    expected = 2 * 3 * 2 * max([n for n in lens if n > budget], default=0) * 8 * 2  # K and V, 3 layers, bf16
+    assert scratch_bytes(lens, budget, layers=3, kv_heads=2, head_dim=8, dtype=torch.bfloat16) == expected
+    assert scratch_bytes(lens, max(lens), layers=3, kv_heads=2, head_dim=8, dtype=torch.float32) == 0
+
+
+def test_engine_plan_holds_the_scratch_its_longest_chunked_prompt_allocates(tiny, monkeypatch):
+    """On the CPU (cpu_cache_gib for the cache and the scratch): a prompt past max_prefill_tokens among the
+    requests the plan is made for takes exactly what its prefill's scratch then allocates off the cache's budget;
+    without it the plan has the whole limit."""
+    from pipeline.actors.engine.kv_cache import EngineCache
+
+    allocated, set_chunk = [], EngineCache.set_chunk
+
+    def spy(self, *args):
+        fresh = not self.scratch
+        set_chunk(self, *args)
+        if fresh:
+            allocated.append(sum(k.nbytes + v.nbytes for k, v in self.scratch))
+
+    monkeypatch.setattr(EngineCache, "set_chunk", spy)
+    config = EngineConfig(max_prefill_tokens=32, cpu_cache_gib=1 / 64, max_batch_size=4)
+    long = int(torch.randint(40, 90, ()))
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    out = engine.generate(requests([long, 20, 33], [3, 3, 3], seed=int(torch.randint(0, 1000, ()))))
+    assert [len(c.token_ids) for c in out] == [3, 3, 3]
+    assert allocated and engine.plan.scratch_bytes == max(allocated) > 0  # the longest chunked prompt's
+    assert engine.plan.budget_bytes == int(config.cpu_cache_gib * 2**30) - engine.plan.scratch_bytes
+    short = LLMEngine(tiny, StubTokenizer(), config)
+    short.generate(requests([20, 30], [3, 3]))
+    assert short.plan.scratch_bytes == 0 and short.plan.budget_bytes == int(config.cpu_cache_gib * 2**30)
+
+
+def test_a_scratch_the_cache_leaves_no_room_for_is_not_planned_and_fails_alone(tiny, caplog):
+    """Where the cache would not fit beside a long prompt's scratch, the plan leaves the scratch out with a
+    warning instead of failing the build (every row finishes here: on the CPU nothing enforces the limit; on a GPU
+    the long prompt may then fail alone). A growing row (it may stop early, so it may be preempted and rebuilt)
+    counts its whole length as its prefill."""
+    from pipeline.actors.engine.request import Sequence
+
+    config = EngineConfig(kivi=None, max_prefill_tokens=64, cpu_cache_gib=0.9 / 1024, max_batch_size=4)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    out = engine.generate(requests([500, 20, 30], [3, 3, 3]))
+    assert [c.finish_reason for c in out] == ["length"] * 3
+    assert engine.plan.scratch_bytes == 0 and "no room beside the cache" in caplog.text
+    seqs, start = [], Sequence.start
+
+    def spy(*args, **kwargs):
+        seqs.append(start(*args, **kwargs))
+        return seqs[-1]
+
+    grows = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=None, max_prefill_tokens=64, max_batch_size=4))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Sequence, "start", staticmethod(spy))
+        grows.generate(requests([40, 20], [50, 3], stop=("@",)))  # 40 + 49 past 64: its rebuild would chunk
+    layers, heads, dim = kv_shape(tiny.config)
+    assert all(s.grows for s in seqs) and grows.plan.scratch_bytes == 2 * layers * heads * 89 * dim * 4  # fp32
