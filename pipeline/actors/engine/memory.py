@@ -83,7 +83,7 @@ def scratch_bytes(prefill_lens: list[int], max_prefill_tokens: int, layers: int,
     chunked = [n for n in prefill_lens if n > max_prefill_tokens]
     if not chunked:
         return 0
-    return 2 * layers * kv_heads * max(chunked) * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * max(chunked) * head_dim * dtype.itemsize
 
 
 def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_bytes: int, slot_bytes: int,
