@@ -159,8 +159,11 @@ class KiviCache(PagedKVCache):
     would hold for the same tokens.
     """
 
-    def __init__(self, config, kivi: KiviConfig | None = None) -> None:
+    def __init__(self, config, kivi: KiviConfig | None = None, dtype: torch.dtype | None = None) -> None:
+        """dtype: of the full-precision ring and the scales' base (None: the model's keys'); a float32 model can
+        keep a bf16 cache, its keys and values rounded to bf16 as they are stored."""
         self.kivi = kivi or KiviConfig()
+        self.dtype = dtype
         self.lengths: list[int] = []
         self.pages: list[list[int]] = []
         self.num_pages = 0
@@ -173,6 +176,7 @@ class KiviCache(PagedKVCache):
 
     def allocate(self, layer: KiviLayer) -> None:
         storage = self.storage_for(layer.device)
+        layer.dtype = self.dtype or layer.dtype
         batch = 0 if self.meta is None else len(self.lengths)
         layer.tensors = storage.allocate_slots(batch, layer.num_heads, layer.head_dim, layer.dtype, layer.device)
         layer.tensors.update(storage.allocate_pages(0, layer.num_heads, layer.head_dim, layer.dtype, layer.device))

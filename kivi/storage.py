@@ -95,12 +95,16 @@ class QuantizedStorage:
                     residual_length=c.residual_length, page_size=c.page_size)
 
     def store_prefill(self, t: dict, key, value, starts, lengths, meta: BatchMeta) -> None:
-        """key/value [B, H, T, D]; row b's tokens are key[b, :, starts[b]:starts[b]+lengths[b]]."""
+        """key/value [B, H, T, D]; row b's tokens are key[b, :, starts[b]:starts[b]+lengths[b]]. Keys and values
+        of another dtype than the ring's (a float32 model over a bf16 cache) are rounded to it first, so that the
+        packed groups quantize what the ring would have held."""
+        key, value = key.to(t["k_res"].dtype), value.to(t["k_res"].dtype)
         self.ops.store_prefill(key, value, starts, lengths, meta.slots, meta.block_table,
                                *(t[n] for n in self.names), t["k_res"], t["v_res"], **self._ints())
 
     def store_decode(self, t: dict, key, value, meta: BatchMeta) -> None:
-        """key/value [B, H, D]: the token at position seq_lens[b] - 1 of each row."""
+        """key/value [B, H, D]: the token at position seq_lens[b] - 1 of each row (rounded to the ring's dtype)."""
+        key, value = key.to(t["k_res"].dtype), value.to(t["k_res"].dtype)
         self.ops.store_decode(key, value, meta.seq_lens, meta.slots, meta.block_table,
                               *(t[n] for n in self.names), t["k_res"], t["v_res"], **self._ints())
 

@@ -115,9 +115,10 @@ class JobConfig:
         )
 
     def model_dtype(self) -> str:
-        """The dtype the model loads in: "auto" is bfloat16, on the CPU too, so the cache holds what a bf16 cache
-        would and its size compares with kv_cache_bytes_bf16 like for like (on a CPU without bf16 arithmetic
-        float32 is faster; the actor warns there: pipeline.actors.actor.cpu_dtype_hint)."""
+        """The dtype of the model and its cache: "auto" is bfloat16, on the CPU too, so the cache holds what a bf16
+        cache would and its size compares with kv_cache_bytes_bf16 like for like. On a CPU without bf16 arithmetic
+        the actor runs an "auto" model in float32 over that bf16 cache (pipeline.actors.actor.resolve_dtypes), as
+        bf16 matmuls are several times slower there; the rows' settings still name bfloat16 (the cache's dtype)."""
         return "bfloat16" if self.dtype == "auto" else self.dtype
 
     def renders_chat(self, source: str) -> bool:

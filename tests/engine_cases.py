@@ -1,7 +1,7 @@
 """Shared pieces of the engine tests (test_engine.py, test_engine_decode.py, test_engine_growth.py,
-test_engine_parts.py, test_engine_memory.py, test_engine_scratch.py, test_engine_service.py, test_progress.py,
-test_model_runner.py): a stub tokenizer, transformers' greedy generate as the reference, seeded requests, and an
-fp32 GPU model for A/Bs of engine settings.
+test_engine_parts.py, test_engine_memory.py, test_engine_scratch.py, test_engine_dtypes.py, test_engine_service.py,
+test_progress.py, test_model_runner.py): a stub tokenizer, transformers' greedy generate as the reference, seeded
+requests, and an fp32 GPU model for A/Bs of engine settings.
 The tiny CPU Llama fixture they share, `tiny`, is in conftest.py."""
 
 from __future__ import annotations

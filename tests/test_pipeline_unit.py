@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import prompts, stats
-from pipeline.actors.actor import GenerateActor, cpu_dtype_hint, cpu_has_native_bf16
+from pipeline.actors.actor import GenerateActor, cpu_dtype_hint, cpu_has_native_bf16, resolve_dtypes
 from pipeline.actors.engine import SamplingParams
 from pipeline.config import JobConfig
 from pipeline.io import plan_input
@@ -26,7 +26,7 @@ from tests.pipeline_cases import FakeEngine, FakeTokenizer, fake_actor, write
 def test_cpu_dtype_hint_only_for_bf16_on_a_cpu_without_bf16(tmp_path):
     """The actor warns when a bfloat16 model runs on a CPU without bf16 hardware (4x slower matmuls than fp32 on
     the CI machine's AVX-512 Xeon), and only then: not on a GPU, not in another dtype, not where unknown."""
-    assert "--dtype float32" in cpu_dtype_hint("bfloat16", False, False)
+    assert "--dtype auto" in cpu_dtype_hint("bfloat16", False, False)
     for dtype, cuda, native in [("bfloat16", True, False), ("bfloat16", False, True), ("bfloat16", False, None),
                                 ("float32", False, False), ("float16", False, False)]:
         assert cpu_dtype_hint(dtype, cuda, native) is None
@@ -37,6 +37,17 @@ def test_cpu_dtype_hint_only_for_bf16_on_a_cpu_without_bf16(tmp_path):
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\n{text}\n")
         assert cpu_has_native_bf16(str(tmp_path / "cpuinfo")) is native, text
     assert cpu_has_native_bf16(str(tmp_path / "absent")) is None
+
+
+def test_auto_dtype_is_float32_over_a_bf16_cache_only_on_a_cpu_without_bf16():
+    """--dtype auto: bfloat16 on a GPU, on a CPU with bf16 arithmetic and where the flags are unknown; float32 over a
+    bf16 cache on a CPU known to lack it; a dtype given is kept, with the model's own cache."""
+    assert resolve_dtypes("auto", False, False) == ("float32", "bfloat16")
+    for cuda, native in [(True, None), (True, False), (False, True), (False, None)]:
+        assert resolve_dtypes("auto", cuda, native) == ("bfloat16", None)
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert resolve_dtypes(dtype, False, False) == (dtype, None)
+    assert cpu_dtype_hint(*resolve_dtypes("auto", False, False)[:1], False, False) is None  # auto needs no hint
 
 
 def test_time_per_output_token_counts_the_tokens_decode_steps_made():

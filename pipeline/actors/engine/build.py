@@ -41,7 +41,7 @@ def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model
                     prefill_lens=prefill_lens)
     cache = EngineCache(model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                         max_pages_per_seq=max(1, storage.pages_for(max_model_len)),
-                        dtype=param.dtype, device=param.device)
+                        dtype=config.torch_cache_dtype(param.dtype), device=param.device, scratch_dtype=param.dtype)
     blocks = BlockManager(plan.num_slots, plan.num_pages, storage.pages_for)
     graphs = config.cuda_graphs and param.device.type == "cuda"
     runner = ModelRunner(model, cache, plan.num_slots, use_cuda_graphs=graphs,

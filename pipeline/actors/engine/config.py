@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kivi.config import KiviConfig
+
+CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,10 @@ class EngineConfig:
     # with fused_layers: a prefill's MLPs on this many tokens at a time (None: whole), so the activation workspace
     # set aside from the cache holds one chunk's gate/up products (Llama-2-7B at 16,384 prefill tokens: ~1 GiB less)
     mlp_chunk_tokens: int | None = 4096
+    # the dtype the cache keeps full-precision tokens in (KIVI's ring and scales, or the plain cache's pages), or None:
+    # the model's. A float32 model on a CPU without bf16 arithmetic (pipeline.actors.actor.resolve_dtypes) keeps a
+    # bfloat16 cache: float32 matmuls there, the bytes of a bf16 run's cache
+    cache_dtype: str | None = None
     cpu_cache_gib: float = 1.0  # KV memory on a CPU-only machine: the cache, and a chunked prefill's scratch
     # prefill two dummy prompts in free slots during the build, so that the prefill path's Triton kernels compile
     # there and not in the first rows' time to first token (1.5-2.5 s for SmolLM2 on an H200); None: on CUDA
@@ -63,7 +71,13 @@ class EngineConfig:
         cap = min(max_model_len - 1, self.max_prefill_tokens // 2)
         return [min(cap, ring + 2 * group + 3), min(cap, 2 * ring)]
 
+    def torch_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The cache's dtype for a model of `model_dtype` (cache_dtype, or the model's where None)."""
+        return model_dtype if self.cache_dtype is None else CACHE_DTYPES[self.cache_dtype]
+
     def __post_init__(self) -> None:
+        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {sorted(CACHE_DTYPES)} or None, got {self.cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.mlp_chunk_tokens is not None and (not isinstance(self.mlp_chunk_tokens, int)

@@ -27,12 +27,14 @@ def engine_storage(config: EngineConfig, device: torch.device) -> FullStorage | 
 
 
 class EngineCache(PagedKVCache):
-    """Preallocated pools of `num_pages` pages and `num_slots` slots for every layer."""
+    """Preallocated pools of `num_pages` pages and `num_slots` slots for every layer, in `dtype` (the cache's: its
+    full-precision tokens and scales); a chunked prompt's scratch holds the model's keys in `scratch_dtype` (default
+    `dtype`)."""
 
     counts_positions = False
 
     def __init__(self, config, storage, *, num_slots: int, num_pages: int, max_pages_per_seq: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, scratch_dtype: torch.dtype | None = None) -> None:
         super().__init__(config, lambda _device: storage)
         self.storage = storage
         _, kv_heads, head_dim = kv_shape(config)
@@ -47,6 +49,7 @@ class EngineCache(PagedKVCache):
         self.bf16_token_bytes = 2 * kv_heads * head_dim * 2 * len(self.layers)
         self.content_bytes = lambda seq_len: storage.content_bytes(seq_len, kv_heads, head_dim, dtype) * len(
             self.layers)
+        self.scratch_dtype = scratch_dtype or dtype
         self.mode = "decode"
         self.prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self.scratch: list[tuple[torch.Tensor, torch.Tensor]] = []  # full-precision K/V of a chunked prompt
@@ -83,8 +86,8 @@ class EngineCache(PagedKVCache):
         if not self.scratch:
             layer = self.layers[0]
             shape = (1, layer.num_heads, prompt_len, layer.head_dim)  # this prompt's, not max_model_len's
-            self.scratch = [(torch.empty(shape, dtype=layer.dtype, device=layer.device),
-                             torch.empty(shape, dtype=layer.dtype, device=layer.device)) for _ in self.layers]
+            self.scratch = [(torch.empty(shape, dtype=self.scratch_dtype, device=layer.device),
+                             torch.empty(shape, dtype=self.scratch_dtype, device=layer.device)) for _ in self.layers]
         length = torch.tensor([end], dtype=torch.int32, device=slot.device)
         self.set_prefill(slot, torch.zeros_like(length), length)
         # the layers' seen_tokens stay 0, so transformers sizes its mask as the chunk's alone and, with no padding,

@@ -83,7 +83,7 @@ class LLMEngine:
     def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
         share = self.config.growth_plan_share
         if share is None:  # half lengths where a slot costs nothing but its pages, whole ones where it holds a ring
-            ring = engine_storage(self.config, self.device).slot_bytes(1, 1, next(self.model.parameters()).dtype)
+            ring = engine_storage(self.config, self.device).slot_bytes(1, 1, self.config.torch_cache_dtype(self.dtype))
             share = 1.0 if ring else 0.5
         lens = [s.plan_len(share) for s in seqs]
         # the longest prefills: a prompt, or where a row grows (and may be preempted) its prompt and output

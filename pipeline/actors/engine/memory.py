@@ -139,12 +139,13 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
         used = torch.cuda.memory_allocated(param.device)
     else:
         limit, workspace, used = config.cpu_cache_gib * 2**30, 0, 0
-    most_pages = max(1, storage.pages_for(max_model_len))
+    most_pages, cache_dtype = max(1, storage.pages_for(max_model_len)), config.torch_cache_dtype(param.dtype)
     plan = partial(plan_cache, limit_bytes=int(limit), used_bytes=used, workspace_bytes=workspace,
-                   page_bytes=storage.page_bytes(kv_heads, head_dim, param.dtype) * layers,
-                   slot_bytes=storage.slot_bytes(kv_heads, head_dim, param.dtype) * layers,
+                   page_bytes=storage.page_bytes(kv_heads, head_dim, cache_dtype) * layers,
+                   slot_bytes=storage.slot_bytes(kv_heads, head_dim, cache_dtype) * layers,
                    pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
                    min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages, budget_scale=budget_scale)
+    # the scratch holds the model's own keys and values (its dtype), whatever the cache keeps
     scratch = scratch_bytes(prefill_lens or [], config.max_prefill_tokens, layers, kv_heads, head_dim, param.dtype)
     try:
         return plan(scratch=scratch)
