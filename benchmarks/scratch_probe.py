@@ -9,8 +9,12 @@ set aside. On the H200 (a Llama-3-8B shape with 65,536 positions, random bf16 we
     python benchmarks/scratch_probe.py --no-scratch --out $OUT/scratch-off.json
 
 Requests: one prompt of `--long` tokens (a 32,768-token prompt's scratch is 4 GiB at 8 KV heads) and
-`--short` prompts of 1,024, each asking for 16 new tokens; the cap fills with the cache. Prints one JSON object
-last: the plan (slots, pages, scratch), each row's finish reason, errors, out-of-memory retries and times.
+`--short` prompts of 1,024, each asking for 16 new tokens; the cap fills with the cache. With `--late` the long
+prompt arrives after the build (planned for the short prompts alone) and a few decode steps: the engine holds it
+until the rows in flight are done, then builds its cache again with its scratch aside (LLMEngine._rebuild);
+`--late --no-hold` admits it as before that (it then runs out of memory and is retried in smaller chunks). Prints
+one JSON object last: the plan (slots, pages, scratch; the first build's too), each row's finish reason, errors,
+out-of-memory retries, rebuilds and times.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=64, help="prompts of 1,024 tokens beside the long one")
     p.add_argument("--cap-gib", type=float, default=40.0)
     p.add_argument("--no-scratch", action="store_true", help="plan without the scratch (as before 9e68da0)")
+    p.add_argument("--late", action="store_true", help="the long prompt after the build and a few steps")
+    p.add_argument("--no-hold", action="store_true", help="with --late: admit it at once (no rebuild)")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny GQA model on the CPU, short prompts")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -57,8 +63,10 @@ def main() -> None:
     lens = [long_len] + [short_len] * args.short
     reqs = [Request(f"r{i}", torch.randint(0, 32000 if cuda else 500, (n,), generator=gen).tolist(),
                     SamplingParams(max_new_tokens=16, ignore_eos=True)) for i, n in enumerate(lens)]
+    if args.no_hold:
+        LLMEngine._scratch_short = lambda self, seq: False
     t0 = time.perf_counter()
-    out = engine.generate(reqs)
+    out, first_plan = run(engine, reqs, args.late)
     wall = time.perf_counter() - t0
     plan = engine.plan
     stats = engine.stats()
@@ -70,10 +78,27 @@ def main() -> None:
                         "ttft_s": out[0].ttft_s},
         "rows_done": sum(c.finish_reason == "length" for c in out), "rows_failed": sum(c.finish_reason == "error"
                                                                                         for c in out),
+        "first_plan": first_plan, "rebuilds": stats["rebuilds"],
         "oom_retries": stats["oom_retries"], "wall_s": wall, "build_s": stats["build_s"],
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GiB if cuda else None,
     }
     finish(args.out, result)
+
+
+def run(engine: LLMEngine, reqs: list[Request], late: bool) -> tuple[list, dict]:
+    """Completions in request order (reqs[0] the long prompt) and the first build's plan; late: the short prompts
+    first, the long one after the first prefill and a decode step."""
+    if not late:
+        out = engine.generate(reqs)
+        return out, {"num_slots": engine.plan.num_slots, "scratch_gib": engine.plan.scratch_bytes / GiB}
+    short = engine.add(reqs[1:])
+    engine.step()
+    engine.step()
+    first_plan = {"num_slots": engine.plan.num_slots, "scratch_gib": engine.plan.scratch_bytes / GiB}
+    long = engine.add(reqs[:1])
+    while short.pending or long.pending:
+        engine.step()
+    return long.results + short.results, first_plan
 
 
 if __name__ == "__main__":

@@ -140,15 +140,15 @@ def test_memory_plan_sizes_growing_rows_by_the_cache_kind(tiny, cache_kind, monk
     tokens over the full-precision cache (a slot costs only its pages), at their whole length over KIVI (a slot
     holds a ring of R tokens) unless growth_plan_share says otherwise; rows that cannot stop early, and every row
     with page_growth off, at their whole length."""
-    from pipeline.actors.engine import llm_engine
+    from pipeline.actors.engine import build
 
-    seen, allocate = [], llm_engine.allocate_parts
+    seen, allocate = [], build.allocate_parts
 
     def spy(model, config, total_lens, *args, **kwargs):
         seen.append(list(total_lens))
         return allocate(model, config, total_lens, *args, **kwargs)
 
-    monkeypatch.setattr(llm_engine, "allocate_parts", spy)
+    monkeypatch.setattr(build, "allocate_parts", spy)
     prompts, new = torch.randint(5, 40, (3,)).tolist(), torch.randint(8, 30, (3,)).tolist()
 
     def plan(ignore_eos=False, **config) -> list[int]:

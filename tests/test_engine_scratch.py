@@ -84,3 +84,48 @@ def test_a_scratch_the_cache_leaves_no_room_for_is_not_planned_and_fails_alone(t
         grows.generate(requests([40, 20], [50, 3], stop=("@",)))  # 40 + 49 past 64: its rebuild would chunk
     layers, heads, dim = kv_shape(tiny.config)
     assert all(s.grows for s in seqs) and grows.plan.scratch_bytes == 2 * layers * heads * 89 * dim * 4  # fp32
+
+
+def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_then_a_rebuild(tiny, monkeypatch):
+    """A prompt past max_prefill_tokens that arrives after the build, with a scratch larger than the build set
+    aside, holds the queue until the rows in flight are done; the engine then builds its cache again for it and the
+    requests behind it (its scratch aside; time to first token still counts from the first build's end), and every
+    row gives generate()'s tokens. A prompt of that length arriving later needs no further build."""
+    import kivi
+    from tests.engine_cases import SMALL_KIVI, hf_greedy
+
+    config = EngineConfig(kivi=SMALL_KIVI, max_prefill_tokens=16, page_size=16, max_batch_size=3,
+                          cpu_cache_gib=1 / 256)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    seed = int(torch.randint(0, 1000, ()))
+    first = requests([30, 9, 12], [12, 20, 6], seed=seed)
+    sub = engine.add(first)
+    engine.step()  # the first prefill: rows in flight
+    planned, ready_at, build_s = engine.plan.scratch_bytes, engine.ready_at, engine.build_s
+    long_len = int(torch.randint(60, 120, ()))
+    late = [r.__class__(f"late{i}", r.prompt_token_ids, r.sampling)
+            for i, r in enumerate(requests([long_len, 7], [10, 5], seed=seed + 1))]
+    rebuilt_with = []
+    rebuild = LLMEngine._rebuild
+
+    def spy(self):
+        rebuilt_with.append((len(self.scheduler.running), sub.pending))
+        rebuild(self)
+
+    monkeypatch.setattr(LLMEngine, "_rebuild", spy)
+    sub_late = engine.add(late)
+    for _ in range(1_000):  # a bound: a rebuild that dropped rows in flight would leave them pending
+        if not (sub.pending or sub_late.pending):
+            break
+        engine.step()
+    assert rebuilt_with == [(0, 0)]  # once, after every row in flight (the whole first submission) was done
+    layers, heads, dim = kv_shape(tiny.config)
+    assert planned == 2 * layers * heads * 30 * dim * 4 < engine.plan.scratch_bytes  # fp32: 4 bytes
+    assert engine.plan.scratch_bytes == 2 * layers * heads * long_len * dim * 4
+    assert engine.stats()["rebuilds"] == 1 and engine.build_s > build_s and engine.ready_at == ready_at
+    for req, comp in zip(first + late, sub.results + sub_late.results, strict=True):
+        expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
+                                    kivi.KiviCache(tiny.config, SMALL_KIVI))
+        assert comp.error is None and comp.token_ids[: clear + 1] == expected[: clear + 1], req.request_id
+    again = engine.generate(requests([long_len, 20], [3, 3], seed=seed + 2))
+    assert [c.finish_reason for c in again] == ["length"] * 2 and engine.stats()["rebuilds"] == 1

@@ -1,19 +1,31 @@
-"""The engine's parts for one cache plan: cache, block tables, scheduler and model runner (with its CUDA graphs)."""
+"""The engine's parts for one cache plan (cache, block tables, scheduler and model runner with its CUDA graphs), and
+the engine's builds of them (CacheBuilds: the first, its retries, and the rebuild for a prompt of a larger scratch)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 import kernels
 from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
+from kivi.models import kv_shape
 from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.kv_cache import EngineCache, engine_storage
-from pipeline.actors.engine.memory import CachePlan, check_headroom, plan_for, reserved_bytes
+from pipeline.actors.engine.memory import (
+    CachePlan,
+    build_shrinking,
+    check_headroom,
+    plan_for,
+    reserved_bytes,
+    scratch_bytes,
+    scratch_room,
+)
 from pipeline.actors.engine.model_runner import ModelRunner
+from pipeline.actors.engine.request import Sequence
 from pipeline.actors.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -26,6 +38,7 @@ class EngineParts:
     blocks: BlockManager
     scheduler: Scheduler
     runner: ModelRunner
+    scratch_room: int  # bytes a chunked prefill's scratch may take (memory.scratch_room)
 
 
 def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model_len: int, budget_scale: float,
@@ -46,8 +59,10 @@ def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model
     graphs = config.cuda_graphs and param.device.type == "cuda"
     runner = ModelRunner(model, cache, plan.num_slots, use_cuda_graphs=graphs,
                          layers=fused, tune_buckets=config.tune_buckets)
-    check_headroom(plan, reserved_bytes(param.device), strict=not final)  # the graphs' pool is known now
-    return EngineParts(plan, cache, blocks, Scheduler(blocks, config.max_prefill_tokens), runner)
+    reserved = reserved_bytes(param.device)
+    check_headroom(plan, reserved, strict=not final)  # the graphs' pool is known now
+    return EngineParts(plan, cache, blocks, Scheduler(blocks, config.max_prefill_tokens), runner,
+                       scratch_room(plan, reserved))
 
 
 def fused_layers(model, config: EngineConfig, device: torch.device) -> FusedLayers | None:
@@ -61,3 +76,80 @@ def fused_layers(model, config: EngineConfig, device: torch.device) -> FusedLaye
         return None
     return FusedLayers(model, kernels.get_ops("triton"), projections=config.fused_projections,
                        mlp_chunk_tokens=config.mlp_chunk_tokens, silu_mul=config.fused_silu_mul)
+
+
+class CacheBuilds:
+    """LLMEngine's set-up (a mixin over its model, config, device, dtype, max_model_len and stats_acc): the build that
+    plans, allocates and captures, its out-of-memory retries, and the rebuild for a prompt whose chunked prefill
+    needs a larger scratch than the build has room for."""
+
+    def _build(self, seqs: list[Sequence]) -> None:
+        """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
+        again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries). Then
+        the warm-up prefill (EngineConfig.warm_prefill), so that its kernels compile inside build_s. A rebuild
+        (_rebuild) adds its time to build_s; time to first token still counts from the first build's end."""
+        t0, first = time.perf_counter(), self.build_s is None
+        build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
+        for seq in seqs:
+            seq.planned = True
+        self._warm_prefill()
+        self.ready_at = time.perf_counter() if first else self.ready_at
+        self.build_s = (self.build_s or 0.0) + time.perf_counter() - t0
+        log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
+                 self.cache.slot_bytes)
+
+    def _scratch_short(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence the build was not planned for (it came later) goes through in chunks with a
+        scratch larger than the build has room for. One it was planned for has its scratch set aside, or there
+        was no room for it beside the cache (memory.plan_for's warning): building again would not make any."""
+        if seq.planned:
+            return False
+        layers, kv_heads, head_dim = kv_shape(self.model.config)
+        need = scratch_bytes([seq.cached_len], self.config.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
+        return need > self.scratch_room
+
+    def _rebuild(self) -> None:
+        """With nothing running: plan, allocate and capture again for the sequences waiting (their head's scratch
+        set aside), which keep their order; the finished rows' share of new tokens carries over."""
+        if self.scheduler.running:
+            raise RuntimeError("the cache is built again only with no sequence in flight")
+        waiting, shares = list(self.scheduler.waiting), self.scheduler.shares
+        log.warning("a %d-token prefill needs more scratch than the cache plan left room for: building the cache "
+                    "again for the %d waiting requests", waiting[0].cached_len, len(waiting))
+        self._release(False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._build(waiting)
+        self.stats_acc["rebuilds"] += 1
+        self.scheduler.shares.extend(shares)
+        self.scheduler.waiting.extend(waiting)
+
+    def _warm_prefill(self) -> None:
+        """Dummy prompts (EngineConfig.warm_up_lengths) through the prefill path, in free slots and pages
+        (BlockManager.warm_up_rows). Best effort: a failure is logged, and the first real prefill meets it again."""
+        lengths = self.config.warm_up_lengths(self.max_model_len, self.device.type == "cuda")
+        try:
+            self.runner.warm_prefill(*self.blocks.warm_up_rows(lengths))
+        except Exception:  # noqa: BLE001 - optional: the build stands, the first rows compile instead
+            log.warning("warm-up prefill failed; the first rows' prefill compiles its kernels", exc_info=True)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _release(self, retrying: bool) -> None:
+        """Drop a failed build's cache, graphs and tables (runner None: the next add() builds again)."""
+        self.runner = self.cache = self.blocks = self.scheduler = self.plan = None
+        self.stats_acc["oom_retries"] += retrying
+
+    def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
+        share = self.config.growth_plan_share
+        if share is None:  # half lengths where a slot costs nothing but its pages, whole ones where it holds a ring
+            ring = engine_storage(self.config, self.device).slot_bytes(1, 1, self.config.torch_cache_dtype(self.dtype))
+            share = 1.0 if ring else 0.5
+        lens = [s.plan_len(share) for s in seqs]
+        # the longest prefills: a prompt, or where a row grows (and may be preempted) its prompt and output
+        prefills = [s.total_len if s.grows else s.prompt_len for s in seqs]
+        parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final,
+                               prefill_lens=prefills)
+        self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
+        self.scheduler, self.runner, self.scratch_room = parts.scheduler, parts.runner, parts.scratch_room
+

@@ -23,7 +23,7 @@ class EngineCounters:
         self.acc.clear()
         self.acc.update(kv_cache_bytes=0, kv_cache_bytes_bf16=0, decode_steps=0, decode_s=0.0, prefill_tokens=0,
                         prefill_s=0.0, max_in_flight=0, oom_retries=0, wall_s=0.0, preemptions=0,
-                        recomputed_tokens=0)
+                        recomputed_tokens=0, rebuilds=0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 

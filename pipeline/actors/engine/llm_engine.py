@@ -15,11 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.actors.engine.build import allocate_parts
+from pipeline.actors.engine.build import CacheBuilds
 from pipeline.actors.engine.config import EngineConfig
 from pipeline.actors.engine.counters import EngineCounters
-from pipeline.actors.engine.kv_cache import engine_storage
-from pipeline.actors.engine.memory import build_shrinking
 from pipeline.actors.engine.request import Completion, Request, Sequence, Submission
 from pipeline.actors.engine.sampler import picker
 
@@ -29,7 +27,7 @@ log = logging.getLogger(__name__)
 MIN_CHUNK_TOKENS = 256
 
 
-class LLMEngine:
+class LLMEngine(CacheBuilds):
     def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EngineConfig()
@@ -43,6 +41,7 @@ class LLMEngine:
         self.eos_ids = {t for t in [*eos, tokenizer.eos_token_id] if t is not None}
         self.runner = None  # model_runner.ModelRunner, with cache, blocks and scheduler, once built (build.py)
         self.plan = None  # memory.CachePlan of the cache built
+        self.scratch_room = 0  # bytes a chunked prefill's scratch may take in this build (memory.scratch_room)
         self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
         self.ready_at = 0.0  # perf_counter when the build ended: time to first token counts from here at the earliest
         self.active: list[Submission] = []  # calls of add() with requests still in flight
@@ -50,48 +49,6 @@ class LLMEngine:
         self.generated_tokens = self.finished_rows = 0  # since the engine was made (live progress)
         self.counters = EngineCounters(self.device)
         self.stats_acc = self.counters.acc  # totals since the last reset_stats()
-
-    # -- set-up ----------------------------------------------------------------------------
-    def _build(self, seqs: list[Sequence]) -> None:
-        """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
-        again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries). Then
-        the warm-up prefill (EngineConfig.warm_prefill), so that its kernels compile inside build_s."""
-        t0 = time.perf_counter()
-        build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
-        self._warm_prefill()
-        self.ready_at = time.perf_counter()
-        self.build_s = self.ready_at - t0
-        log.info("cache plan: %s (%d bytes/page, %d bytes/slot)", self.plan, self.cache.page_bytes,
-                 self.cache.slot_bytes)
-
-    def _warm_prefill(self) -> None:
-        """Dummy prompts (EngineConfig.warm_up_lengths) through the prefill path, in free slots and pages
-        (BlockManager.warm_up_rows). Best effort: a failure is logged, and the first real prefill meets it again."""
-        lengths = self.config.warm_up_lengths(self.max_model_len, self.device.type == "cuda")
-        try:
-            self.runner.warm_prefill(*self.blocks.warm_up_rows(lengths))
-        except Exception:  # noqa: BLE001 - optional: the build stands, the first rows compile instead
-            log.warning("warm-up prefill failed; the first rows' prefill compiles its kernels", exc_info=True)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def _release(self, retrying: bool) -> None:
-        """Drop a failed build's cache, graphs and tables (runner None: the next add() builds again)."""
-        self.runner = self.cache = self.blocks = self.scheduler = self.plan = None
-        self.stats_acc["oom_retries"] += retrying
-
-    def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
-        share = self.config.growth_plan_share
-        if share is None:  # half lengths where a slot costs nothing but its pages, whole ones where it holds a ring
-            ring = engine_storage(self.config, self.device).slot_bytes(1, 1, self.config.torch_cache_dtype(self.dtype))
-            share = 1.0 if ring else 0.5
-        lens = [s.plan_len(share) for s in seqs]
-        # the longest prefills: a prompt, or where a row grows (and may be preempted) its prompt and output
-        prefills = [s.total_len if s.grows else s.prompt_len for s in seqs]
-        parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final,
-                               prefill_lens=prefills)
-        self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
-        self.scheduler, self.runner = parts.scheduler, parts.runner
 
     # -- requests --------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
@@ -157,7 +114,15 @@ class LLMEngine:
         return self.runner is not None and self.scheduler.has_work()
 
     def step(self) -> None:
-        """Prefill newly admitted requests, or else run decode steps for the sequences in flight."""
+        """Prefill newly admitted requests, or else run decode steps for the sequences in flight. A waiting prompt
+        whose chunked prefill needs more scratch than the build left room for holds the queue until the sequences
+        in flight are done; then the engine builds its cache again for it and those behind it."""
+        waiting = self.scheduler.waiting
+        if waiting and self._scratch_short(waiting[0]):
+            if self.scheduler.running:
+                self._decode()
+                return
+            self._rebuild()
         batch = self.scheduler.next_prefill()
         if batch:
             self._prefill(batch)

@@ -183,6 +183,14 @@ def check_headroom(plan: CachePlan, reserved: int | None, strict: bool = True) -
         log.warning("%s; prefills that run out of memory will be retried smaller", short)
 
 
+def scratch_room(plan: CachePlan, reserved: int | None) -> int:
+    """Bytes a chunked prefill's scratch may take in a build holding `reserved` bytes (reserved_bytes): the plan's
+    scratch, or on a GPU all that its limit leaves beside the prefill workspace, if that is more."""
+    if reserved is None or not plan.limit_bytes:
+        return plan.scratch_bytes
+    return max(plan.scratch_bytes, plan.limit_bytes - reserved - plan.workspace_bytes)
+
+
 def build_shrinking(build: Callable[[float, bool], None], release: Callable[[bool], None]) -> None:
     """build(budget_scale, final) from 1.0; after a CUDA out-of-memory error again at BUILD_SHRINK times the last
     scale (the plan's bytes are what fits by the numbers, but fragmentation, graph pools or another process on the
