@@ -91,7 +91,10 @@ def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_th
     aside, holds the queue until the rows in flight are done; the engine then builds its cache again for it and the
     requests behind it (its scratch aside; time to first token still counts from the first build's end), and every
     row gives generate()'s tokens. A prompt of that length arriving later needs no further build."""
+    import weakref
+
     import kivi
+    from pipeline.actors.engine import build
     from tests.engine_cases import SMALL_KIVI, hf_greedy
 
     config = EngineConfig(kivi=SMALL_KIVI, max_prefill_tokens=16, page_size=16, max_batch_size=3,
@@ -105,20 +108,26 @@ def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_th
     long_len = int(torch.randint(60, 120, ()))
     late = [r.__class__(f"late{i}", r.prompt_token_ids, r.sampling)
             for i, r in enumerate(requests([long_len, 7], [10, 5], seed=seed + 1))]
-    rebuilt_with = []
-    rebuild = LLMEngine._rebuild
+    rebuilt_with, old_cache, alive_at_plan = [], weakref.ref(engine.cache), []
+    rebuild, real_plan = LLMEngine._rebuild, build.plan_for
 
     def spy(self):
         rebuilt_with.append((len(self.scheduler.running), sub.pending))
         rebuild(self)
 
+    def plan_for(*args, **kwargs):  # the old cache must be gone when the new plan measures what is allocated
+        alive_at_plan.append(old_cache() is not None)
+        return real_plan(*args, **kwargs)
+
     monkeypatch.setattr(LLMEngine, "_rebuild", spy)
+    monkeypatch.setattr(build, "plan_for", plan_for)
     sub_late = engine.add(late)
     for _ in range(1_000):  # a bound: a rebuild that dropped rows in flight would leave them pending
         if not (sub.pending or sub_late.pending):
             break
         engine.step()
     assert rebuilt_with == [(0, 0)]  # once, after every row in flight (the whole first submission) was done
+    assert alive_at_plan == [False]
     layers, heads, dim = kv_shape(tiny.config)
     assert planned == 2 * layers * heads * 30 * dim * 4 < engine.plan.scratch_bytes  # fp32: 4 bytes
     assert engine.plan.scratch_bytes == 2 * layers * heads * long_len * dim * 4

@@ -3,6 +3,7 @@ the engine's builds of them (CacheBuilds: the first, its retries, and the rebuil
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class CacheBuilds:
         log.warning("a %d-token prefill needs more scratch than the cache plan left room for: building the cache "
                     "again for the %d waiting requests", waiting[0].cached_len, len(waiting))
         self._release(False)
+        gc.collect()  # the cache's layers refer back to it (a cycle): gone before the new plan measures what is left
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._build(waiting)
