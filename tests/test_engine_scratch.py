@@ -108,8 +108,8 @@ def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_th
     long_len = int(torch.randint(60, 120, ()))
     late = [r.__class__(f"late{i}", r.prompt_token_ids, r.sampling)
             for i, r in enumerate(requests([long_len, 7], [10, 5], seed=seed + 1))]
-    rebuilt_with, old_cache, alive_at_plan = [], weakref.ref(engine.cache), []
-    rebuild, real_plan = LLMEngine._rebuild, build.plan_for
+    rebuilt_with, old_cache, alive_at_plan, asked = [], weakref.ref(engine.cache), [], []
+    rebuild, real_plan, real_parts = LLMEngine._rebuild, build.plan_for, build.allocate_parts
 
     def spy(self):
         rebuilt_with.append((len(self.scheduler.running), sub.pending))
@@ -119,8 +119,13 @@ def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_th
         alive_at_plan.append(old_cache() is not None)
         return real_plan(*args, **kwargs)
 
+    def parts(model, config, total_lens, *args, prefill_lens, **kwargs):
+        asked.append((list(total_lens), list(prefill_lens)))
+        return real_parts(model, config, total_lens, *args, prefill_lens=prefill_lens, **kwargs)
+
     monkeypatch.setattr(LLMEngine, "_rebuild", spy)
     monkeypatch.setattr(build, "plan_for", plan_for)
+    monkeypatch.setattr(build, "allocate_parts", parts)
     sub_late = engine.add(late)
     for _ in range(1_000):  # a bound: a rebuild that dropped rows in flight would leave them pending
         if not (sub.pending or sub_late.pending):
@@ -128,6 +133,8 @@ def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_th
         engine.step()
     assert rebuilt_with == [(0, 0)]  # once, after every row in flight (the whole first submission) was done
     assert alive_at_plan == [False]
+    # slots and pages for the first requests' mix (not the long prompt alone), the long prompt's scratch aside too
+    assert asked == [([41, 28, 17], [30, 9, 12, long_len, 7])]
     layers, heads, dim = kv_shape(tiny.config)
     assert planned == 2 * layers * heads * 30 * dim * 4 < engine.plan.scratch_bytes  # fp32: 4 bytes
     assert engine.plan.scratch_bytes == 2 * layers * heads * long_len * dim * 4

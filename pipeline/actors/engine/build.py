@@ -90,7 +90,11 @@ class CacheBuilds:
         the warm-up prefill (EngineConfig.warm_prefill), so that its kernels compile inside build_s. A rebuild
         (_rebuild) adds its time to build_s; time to first token still counts from the first build's end."""
         t0, first = time.perf_counter(), self.build_s is None
-        build_shrinking(lambda scale, final: self._allocate(seqs, scale, final), self._release)
+        lens = self._plan_lengths(seqs)
+        if not first:  # slots and pages for the mix the first build saw, every scratch planned so far or now
+            lens = (self.planned_lens[0], self.planned_lens[1] + lens[1])
+        build_shrinking(lambda scale, final: self._allocate(*lens, scale, final), self._release)
+        self.planned_lens = lens
         for seq in seqs:
             seq.planned = True
         self._warm_prefill()
@@ -110,8 +114,9 @@ class CacheBuilds:
         return need > self.scratch_room
 
     def _rebuild(self) -> None:
-        """With nothing running: plan, allocate and capture again for the sequences waiting (their head's scratch
-        set aside), which keep their order; the finished rows' share of new tokens carries over."""
+        """With nothing running: plan, allocate and capture again, for the mix of lengths the first build saw (not
+        the few waiting now: one long prompt alone would make a plan of few slots) with the waiting sequences'
+        scratch set aside too; they keep their order, and the finished rows' share of new tokens carries over."""
         if self.scheduler.running:
             raise RuntimeError("the cache is built again only with no sequence in flight")
         waiting, shares = list(self.scheduler.waiting), self.scheduler.shares
@@ -142,14 +147,17 @@ class CacheBuilds:
         self.runner = self.cache = self.blocks = self.scheduler = self.plan = None
         self.stats_acc["oom_retries"] += retrying
 
-    def _allocate(self, seqs: list[Sequence], budget_scale: float, final: bool = True) -> None:
+    def _plan_lengths(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(the lengths a plan sizes slots and pages for, the prefills' lengths whose longest chunked one's scratch
+        it sets aside) of these sequences."""
         share = self.config.growth_plan_share
         if share is None:  # half lengths where a slot costs nothing but its pages, whole ones where it holds a ring
             ring = engine_storage(self.config, self.device).slot_bytes(1, 1, self.config.torch_cache_dtype(self.dtype))
             share = 1.0 if ring else 0.5
-        lens = [s.plan_len(share) for s in seqs]
-        # the longest prefills: a prompt, or where a row grows (and may be preempted) its prompt and output
-        prefills = [s.total_len if s.grows else s.prompt_len for s in seqs]
+        # the prefills: a prompt, or where a row grows (and may be preempted) its prompt and output
+        return [s.plan_len(share) for s in seqs], [s.total_len if s.grows else s.prompt_len for s in seqs]
+
+    def _allocate(self, lens: list[int], prefills: list[int], budget_scale: float, final: bool = True) -> None:
         parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final,
                                prefill_lens=prefills)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
