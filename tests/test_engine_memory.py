@@ -79,6 +79,7 @@ def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
     from pipeline.actors.engine.memory import (
         BUILD_ATTEMPTS,
         BUILD_SHRINK,
+        HEADROOM_FLOOR_SHARE,
         HEADROOM_PAD,
         CachePlan,
         HeadroomShortfall,
@@ -88,7 +89,8 @@ def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
 
     gib = 2**30
     limit, workspace = int(torch.randint(20, 80, ())) * gib, int(torch.randint(1, 3, ())) * gib
-    budget, deficit = limit - 2 * workspace, int(torch.randint(1, 2**28, ()))
+    budget = limit - 2 * workspace
+    deficit = int(torch.randint(int(HEADROOM_FLOOR_SHARE / HEADROOM_PAD * budget) + 1, 2**30, ()))  # past the floor
     plan = CachePlan(num_slots=8, num_pages=64, budget_bytes=budget, workspace_bytes=workspace, limit_bytes=limit)
     check_headroom(plan, limit - workspace)  # exactly the workspace left free
     with pytest.raises(HeadroomShortfall) as short:
@@ -114,6 +116,10 @@ def test_build_short_of_its_workspace_gives_up_the_deficit(caplog):
     build_shrinking(build, released.append)
     assert calls == [(1.0, False), (pytest.approx(1 - HEADROOM_PAD * deficit / budget), False)]
     assert released == [True]
+    calls.clear(), released.clear()
+    deficit = int(budget * float(torch.empty(()).uniform_(0, HEADROOM_FLOOR_SHARE / HEADROOM_PAD)))  # a small one
+    build_shrinking(build, released.append)
+    assert calls == [(1.0, False), (pytest.approx(1 - HEADROOM_FLOOR_SHARE), False)] and released == [True]
 
     calls.clear(), released.clear()
 

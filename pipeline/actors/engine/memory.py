@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 BUILD_ATTEMPTS = 3  # cache builds tried after CUDA out-of-memory errors, each BUILD_SHRINK of the last's budget
 BUILD_SHRINK = 0.85
 HEADROOM_PAD = 1.1  # a build short of its workspace gives up this many times its deficit of cache budget
+# and at least this share of the budget: on the H200 successive builds' graph pools differ by ~0.1 GiB, and builds
+# 0.10 GiB short were 0.10 GiB short again after giving up 0.11 (a 18.7 GiB cache; the probe ran three builds)
+HEADROOM_FLOOR_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -195,8 +198,9 @@ def build_shrinking(build: Callable[[float, bool], None], release: Callable[[boo
     """build(budget_scale, final) from 1.0; after a CUDA out-of-memory error again at BUILD_SHRINK times the last
     scale (the plan's bytes are what fits by the numbers, but fragmentation, graph pools or another process on the
     GPU can take more), and after a HeadroomShortfall (which build raises only when not final) with its deficit
-    (and HEADROOM_PAD more) taken off the budget. After a failure release(retrying) drops what the attempt
-    allocated, and its memory goes back to the device once the error's frames are gone; after BUILD_ATTEMPTS
+    (times HEADROOM_PAD, and at least HEADROOM_FLOOR_SHARE of the budget) taken off the budget. After a failure
+    release(retrying) drops what the attempt allocated, and its memory goes back to the device once the error's
+    frames are gone; after BUILD_ATTEMPTS
     out-of-memory failures a CUDA out-of-memory error with the last one's message is raised (not the error itself:
     its traceback would keep the failed cache alive)."""
     scale = 1.0
@@ -206,7 +210,8 @@ def build_shrinking(build: Callable[[float, bool], None], release: Callable[[boo
             return build(scale, final)
         except HeadroomShortfall as short:
             message = str(short)
-            next_scale = scale * max(0.5, 1 - HEADROOM_PAD * short.deficit_bytes / max(short.budget_bytes, 1))
+            give_up = max(HEADROOM_PAD * short.deficit_bytes, HEADROOM_FLOOR_SHARE * short.budget_bytes)
+            next_scale = scale * max(0.5, 1 - give_up / max(short.budget_bytes, 1))
         except torch.OutOfMemoryError as err:
             message, next_scale = str(err), scale * BUILD_SHRINK
         release(not final)
