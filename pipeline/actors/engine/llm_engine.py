@@ -4,7 +4,8 @@ Each loop iteration either prefills newly admitted requests (longest prompts fir
 slot and pages, up to a padded-token budget) or runs decode steps for every sequence in flight. Pages are taken as
 sequences grow (EngineConfig.page_growth); when none is free the newest sequences are preempted and later prefilled
 again from prompt + output. A finished sequence frees its slot and pages at once, and the next waiting request
-takes them.
+takes them. The cache is planned, allocated and captured at the first call (build.CacheBuilds), and once more
+for a later prompt whose chunked prefill needs more scratch than that build left room for.
 """
 
 from __future__ import annotations
