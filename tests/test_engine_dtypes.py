@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -14,11 +16,20 @@ from pipeline.actors.engine import EngineConfig, LLMEngine
 from tests.engine_cases import SMALL_KIVI, StubTokenizer, hf_greedy, requests
 
 
-def test_float32_model_over_a_bf16_kivi_cache_matches_generate(tiny):
+def test_float32_model_over_a_bf16_kivi_cache_matches_generate(tiny, monkeypatch):
     """Every completion equals generate() with a KiviCache kept in bf16 (keys and values rounded as they are
     stored), the pools are bf16 (ring) and fp16 (scales) while a chunked prompt's scratch stays float32, and the
     bytes counted are a bf16 model's."""
     assert next(tiny.parameters()).dtype == torch.float32
+    from pipeline.actors.engine.kv_cache import EngineCache
+
+    scratch_dtypes, set_chunk = [], EngineCache.set_chunk
+
+    def spy(self, *args):
+        set_chunk(self, *args)
+        scratch_dtypes.append(self.scratch[0][0].dtype)
+
+    monkeypatch.setattr(EngineCache, "set_chunk", spy)
     reqs = requests([5, 40, 17, 61, 26], [30, 12, 45, 8, 20], seed=4)
     config = EngineConfig(kivi=SMALL_KIVI, max_batch_size=3, cache_dtype="bfloat16", max_prefill_tokens=48)
     engine = LLMEngine(tiny, StubTokenizer(), config)
@@ -34,12 +45,10 @@ def test_float32_model_over_a_bf16_kivi_cache_matches_generate(tiny):
     pools = engine.cache.layers[0].tensors
     assert pools["k_res"].dtype == pools["v_res"].dtype == torch.bfloat16
     assert pools["k_scale"].dtype == pools["v_zero"].dtype == torch.float16
-    assert engine.cache.scratch_dtype == torch.float32  # the 61-token prompt went through in chunks
-    bf16 = LLMEngine(tiny.to(torch.bfloat16), StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=3))
-    try:
-        bf16.generate(reqs)
-    finally:
-        tiny.float()
+    assert scratch_dtypes and set(scratch_dtypes) == {torch.float32}  # the 61-token prompt went through in chunks
+    bf16 = LLMEngine(copy.deepcopy(tiny).to(torch.bfloat16), StubTokenizer(),
+                     EngineConfig(kivi=SMALL_KIVI, max_batch_size=3))
+    bf16.generate(reqs)
     assert engine.stats()["kv_cache_bytes"] == bf16.stats()["kv_cache_bytes"] > 0
     assert engine.plan.num_slots == bf16.plan.num_slots and engine.plan.num_pages == bf16.plan.num_pages
 

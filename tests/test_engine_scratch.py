@@ -145,3 +145,42 @@ def test_a_longer_chunked_prompt_after_the_build_waits_for_the_rows_in_flight_th
         assert comp.error is None and comp.token_ids[: clear + 1] == expected[: clear + 1], req.request_id
     again = engine.generate(requests([long_len, 20], [3, 3], seed=seed + 2))
     assert [c.finish_reason for c in again] == ["length"] * 2 and engine.stats()["rebuilds"] == 1
+
+
+def test_no_rebuild_for_a_scratch_no_larger_than_one_the_plan_had_no_room_for(tiny):
+    """The plan had no room for its first requests' long prompt's scratch (planned without it): a later, shorter
+    chunked prompt is no reason to build again (the plan would have no room for the scratch it asked for), and
+    neither is one of the same length."""
+    config = EngineConfig(kivi=None, max_prefill_tokens=64, cpu_cache_gib=0.9 / 1024, max_batch_size=4)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    engine.generate(requests([500, 20], [3, 3]))
+    assert engine.plan.scratch_bytes == 0
+    for n in (100, 500):
+        out = engine.generate(requests([n, 20], [3, 3], seed=n))
+        assert [c.finish_reason for c in out] == ["length"] * 2 and engine.stats()["rebuilds"] == 0
+
+
+def test_a_failed_rebuild_builds_the_cache_as_it_was_and_loses_no_row(tiny, monkeypatch):
+    """Out of memory in the rebuild for a late long prompt: the engine builds the cache it had (its plan's lengths)
+    and every row, the long one among them, still runs: no call in flight fails."""
+    from pipeline.actors.engine import build
+
+    config = EngineConfig(kivi=None, max_prefill_tokens=16, page_size=16, max_batch_size=3, cpu_cache_gib=1 / 256)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    sub = engine.add(requests([30, 9], [8, 6], seed=3))
+    engine.step()
+    first, real = engine.plan, build.allocate_parts
+
+    def parts(*args, prefill_lens, **kwargs):
+        if 90 in prefill_lens:
+            raise torch.OutOfMemoryError("simulated rebuild")
+        return real(*args, prefill_lens=prefill_lens, **kwargs)
+
+    monkeypatch.setattr(build, "allocate_parts", parts)
+    late = engine.add([r.__class__("late", r.prompt_token_ids, r.sampling) for r in requests([90], [5], seed=4)])
+    for _ in range(1_000):
+        if not (sub.pending or late.pending):
+            break
+        engine.step()
+    assert [len(c.token_ids) for c in sub.results + late.results] == [8, 6, 5]
+    assert engine.stats()["rebuilds"] == 1 and engine.plan == first  # the cache as it was

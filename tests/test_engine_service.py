@@ -188,3 +188,27 @@ def test_rows_queued_during_the_build_count_their_first_token_from_its_end(tiny,
     # The build is not the first call's time either (its rows' throughput would count it): only its share of
     # the steps after the build, and the few lines of add() outside it.
     assert 0 < first_stats["busy_s"] <= t_first - allocated_at[-1] + 0.05
+
+
+def test_a_rebuild_inside_a_step_counts_in_build_s_not_in_the_calls_busy_time(tiny, monkeypatch):
+    """A late long prompt's rebuild runs inside a step (LLMEngine._rebuild): its time is in the stats' build_s, and
+    not in the busy time of the calls in flight, so that no call's throughput counts it twice."""
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_prefill_tokens=16, max_batch_size=4))
+    slow_s, allocate, calls = 1.0, engine._allocate, []
+
+    def slow_allocate(*args, **kwargs):
+        calls.append(time.perf_counter())
+        if len(calls) > 1:  # the rebuild
+            time.sleep(slow_s)
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_allocate", slow_allocate)
+    service = EngineService(engine)
+    service.submit(requests([6, 11], [2, 2])).result(timeout=300)  # the first build: a short scratch (none)
+    build_s = engine.stats()["build_s"]
+    t0 = time.perf_counter()
+    completions, stats = service.submit(requests([40, 9], [3, 3], seed=2)).result(timeout=300)
+    wall = time.perf_counter() - t0
+    assert [len(c.token_ids) for c in completions] == [3, 3] and stats["rebuilds"] == 1
+    assert stats["build_s"] - build_s >= slow_s
+    assert 0 < stats["busy_s"] <= wall - slow_s

@@ -84,15 +84,17 @@ class CacheBuilds:
     plans, allocates and captures, its out-of-memory retries, and the rebuild for a prompt whose chunked prefill
     needs a larger scratch than the build has room for."""
 
-    def _build(self, seqs: list[Sequence]) -> None:
+    def _build(self, seqs: list[Sequence], lens: tuple[list[int], list[int]] | None = None) -> None:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
         again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries). Then
         the warm-up prefill (EngineConfig.warm_prefill), so that its kernels compile inside build_s. A rebuild
-        (_rebuild) adds its time to build_s; time to first token still counts from the first build's end."""
+        (_rebuild) adds its time to build_s; time to first token still counts from the first build's end.
+        lens: (plan lengths, prefill lengths) to plan for instead of the sequences' (_plan_lengths)."""
         t0, first = time.perf_counter(), self.build_s is None
-        lens = self._plan_lengths(seqs)
-        if not first:  # slots and pages for the mix the first build saw, every scratch planned so far or now
-            lens = (self.planned_lens[0], self.planned_lens[1] + lens[1])
+        if lens is None:
+            lens = self._plan_lengths(seqs)
+            if not first:  # slots and pages for the mix the first build saw, every scratch planned so far or now
+                lens = (self.planned_lens[0], self.planned_lens[1] + lens[1])
         build_shrinking(lambda scale, final: self._allocate(*lens, scale, final), self._release)
         self.planned_lens = lens
         for seq in seqs:
@@ -104,14 +106,16 @@ class CacheBuilds:
                  self.cache.slot_bytes)
 
     def _scratch_short(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence the build was not planned for (it came later) goes through in chunks with a
-        scratch larger than the build has room for. One it was planned for has its scratch set aside, or there
-        was no room for it beside the cache (memory.plan_for's warning): building again would not make any."""
+        """Whether a waiting sequence goes through in chunks with a scratch larger than the build has room for and
+        than any the build was planned for (a longer prompt that came later): a rebuild may make room for it. For a
+        scratch no larger than one the plan asked for, it had set that aside or had no room for it beside the cache
+        (memory.plan_for's warning), and building again would make none."""
         if seq.planned:
             return False
         layers, kv_heads, head_dim = kv_shape(self.model.config)
-        need = scratch_bytes([seq.cached_len], self.config.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
-        return need > self.scratch_room
+        need, asked = (scratch_bytes(lens, self.config.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
+                       for lens in ([seq.cached_len], self.planned_lens[1]))
+        return need > max(self.scratch_room, asked)
 
     def _rebuild(self) -> None:
         """With nothing running: plan, allocate and capture again, for the mix of lengths the first build saw (not
@@ -119,16 +123,25 @@ class CacheBuilds:
         scratch set aside too; they keep their order, and the finished rows' share of new tokens carries over."""
         if self.scheduler.running:
             raise RuntimeError("the cache is built again only with no sequence in flight")
-        waiting, shares = list(self.scheduler.waiting), self.scheduler.shares
+        old, waiting, t0 = self.scheduler, list(self.scheduler.waiting), time.perf_counter()
         log.warning("a %d-token prefill needs more scratch than the cache plan left room for: building the cache "
                     "again for the %d waiting requests", waiting[0].cached_len, len(waiting))
+        previous = self.planned_lens
         self._release(False)
         gc.collect()  # the cache's layers refer back to it (a cycle): gone before the new plan measures what is left
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._build(waiting)
+        self.build_s += time.perf_counter() - t0
+        try:
+            self._build(waiting)
+        except (torch.OutOfMemoryError, ValueError):  # the build before fitted: it again, and the long row tries alone
+            log.warning("the rebuild failed: building the cache as it was", exc_info=True)
+            self._build(waiting, previous)
         self.stats_acc["rebuilds"] += 1
-        self.scheduler.shares.extend(shares)
+        self.scheduler.shares.extend(old.shares)  # what finished rows and out-of-memory errors taught it
+        self.scheduler.max_prefill_tokens = min(self.scheduler.max_prefill_tokens, old.max_prefill_tokens)
+        self.scheduler.prefill_tokens = min(self.scheduler.prefill_tokens, old.prefill_tokens)
+        self.scheduler.max_running = min(self.scheduler.max_running, old.max_running)
         self.scheduler.waiting.extend(waiting)
 
     def _warm_prefill(self) -> None:

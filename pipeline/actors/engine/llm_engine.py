@@ -44,7 +44,7 @@ class LLMEngine(CacheBuilds):
         self.plan = None  # memory.CachePlan of the cache built
         self.scratch_room = 0  # bytes a chunked prefill's scratch may take in this build (memory.scratch_room)
         self.planned_lens: tuple[list[int], list[int]] = ([], [])  # what the build was planned for (_plan_lengths)
-        self.build_s: float | None = None  # plan, allocation and graph capture (the first generate call)
+        self.build_s: float | None = None  # plan, allocation and graph capture (the first call's, and any rebuild's)
         self.ready_at = 0.0  # perf_counter when the build ended: time to first token counts from here at the earliest
         self.active: list[Submission] = []  # calls of add() with requests still in flight
         self.interrupt: Callable[[], bool] = lambda: False  # True: end a run of decode steps launched ahead
@@ -72,7 +72,7 @@ class LLMEngine(CacheBuilds):
         """Queue requests behind those already in flight; on_done(submission) runs (in step()) once all of them
         are complete (at once if none is valid). The first call plans the cache for requests like these.
         t_start: when the requests arrived (default now); time to first token counts from there, or from the end of
-        the one-time build (reported as build_s) if that came later."""
+        the first build (reported in build_s) if that came later."""
         sub = Submission(results=[None] * len(requests), t_start=t_start or time.perf_counter(), on_done=on_done)
         seqs = []
         for index, request in enumerate(requests):

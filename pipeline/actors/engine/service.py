@@ -6,7 +6,7 @@ steps launched ahead ends when a list arrives), so a caller's last rows never de
 caller waits: the batch stays wide across calls. Each step's time is split among the lists in flight by
 their rows in the batch, so per-call times add up to the engine's busy time. The engine's one-time build (cache
 plan, allocation, graph capture, in the first list's add) is not a call's time: the engine reports it as
-build_s.
+build_s, with any rebuild's for a later long prompt (inside a step).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class EngineService:
 
     def _step(self) -> None:
         rows = Counter(id(seq.submission) for seq in self.engine.scheduler.running)
-        subs, t0 = list(self.engine.active), time.perf_counter()
+        subs, t0, built_before = list(self.engine.active), time.perf_counter(), self.engine.build_s or 0.0
         try:
             self.engine.step()
         except Exception as err:  # noqa: BLE001 - fail the calls in flight, keep serving the next ones
@@ -76,7 +76,9 @@ class EngineService:
             self._fail(list(self.in_flight.values()), err)
             self.in_flight = {}
             return
-        elapsed, total = time.perf_counter() - t0, sum(rows.values())
+        # a rebuild inside the step (LLMEngine._rebuild) counts once, in the stats' engine_build_s
+        elapsed = max(0.0, time.perf_counter() - t0 - ((self.engine.build_s or 0.0) - built_before))
+        total = sum(rows.values())
         for sub in subs:  # by rows in the batch; evenly when nothing was decoding yet (a first prefill)
             sub.busy_s += elapsed * (rows[id(sub)] / total if total else 1 / len(subs))
 
