@@ -96,7 +96,7 @@ class CacheBuilds:
             if not first:  # slots and pages for the mix the first build saw, every scratch planned so far or now
                 lens = (self.planned_lens[0], self.planned_lens[1] + lens[1])
         build_shrinking(lambda scale, final: self._allocate(*lens, scale, final), self._release)
-        self.planned_lens = lens
+        self.planned_lens, self.scratch_asked = lens, self._scratch_of(lens[1])
         for seq in seqs:
             seq.planned = True
         self._warm_prefill()
@@ -110,12 +110,12 @@ class CacheBuilds:
         than any the build was planned for (a longer prompt that came later): a rebuild may make room for it. For a
         scratch no larger than one the plan asked for, it had set that aside or had no room for it beside the cache
         (memory.plan_for's warning), and building again would make none."""
-        if seq.planned:
-            return False
+        return not seq.planned and self._scratch_of([seq.cached_len]) > max(self.scratch_room, self.scratch_asked)
+
+    def _scratch_of(self, prefill_lens: list[int]) -> int:
+        """memory.scratch_bytes of the longest of these prefills that goes through in chunks, in the model's dtype."""
         layers, kv_heads, head_dim = kv_shape(self.model.config)
-        need, asked = (scratch_bytes(lens, self.config.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
-                       for lens in ([seq.cached_len], self.planned_lens[1]))
-        return need > max(self.scratch_room, asked)
+        return scratch_bytes(prefill_lens, self.config.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
 
     def _rebuild(self) -> None:
         """With nothing running: plan, allocate and capture again, for the mix of lengths the first build saw (not

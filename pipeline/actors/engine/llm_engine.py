@@ -44,6 +44,7 @@ class LLMEngine(CacheBuilds):
         self.plan = None  # memory.CachePlan of the cache built
         self.scratch_room = 0  # bytes a chunked prefill's scratch may take in this build (memory.scratch_room)
         self.planned_lens: tuple[list[int], list[int]] = ([], [])  # what the build was planned for (_plan_lengths)
+        self.scratch_asked = 0  # the scratch the build's plan asked for (set aside, or planned without: no room)
         self.build_s: float | None = None  # plan, allocation and graph capture (the first call's, and any rebuild's)
         self.ready_at = 0.0  # perf_counter when the build ended: time to first token counts from here at the earliest
         self.active: list[Submission] = []  # calls of add() with requests still in flight
