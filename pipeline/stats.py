@@ -30,6 +30,8 @@ HIDDEN = {
     "actor_start_s": pa.float64(),
     "engine_build_s": pa.float64(),
     "preemptions": pa.int64(),
+    "engine_oom_retries": pa.int64(),
+    "engine_rebuilds": pa.int64(),
 }
 STATS_SCHEMA = pa.schema(
     [
@@ -55,6 +57,8 @@ STATS_SCHEMA = pa.schema(
         ("actor_id", pa.string()),
         ("actor_start_s", pa.float64()),
         ("engine_build_s", pa.float64()),
+        ("engine_oom_retries", pa.int64()),
+        ("engine_rebuilds", pa.int64()),
     ]
 )
 
@@ -108,6 +112,9 @@ def shard_stats(shard: str, table: pa.Table, job: dict[str, Any]) -> list[dict[s
                 "actor_id": actor,
                 "actor_start_s": max(pick(hidden("actor_start_s"))),
                 "engine_build_s": max((t for t in pick(hidden("engine_build_s")) if t is not None), default=None),
+                # the actor's engine since it started, as of this shard's last call (counts that only grow)
+                "engine_oom_retries": max(pick(hidden("engine_oom_retries"))),
+                "engine_rebuilds": max(pick(hidden("engine_rebuilds"))),
                 **job,
             }
         )
@@ -155,8 +162,19 @@ def summarize(rows: list[dict[str, Any]], ttfts_ms: list[float], wall_s: float, 
         "max_actor_start_s": max((r["actor_start_s"] for r in rows), default=None),
         "max_engine_build_s": max((r["engine_build_s"] for r in rows if r["engine_build_s"] is not None),
                                   default=None),
+        # each actor's counts since its engine started, as of its last shard
+        "engine_oom_retries": _per_actor_sum(rows, "engine_oom_retries"),
+        "engine_rebuilds": _per_actor_sum(rows, "engine_rebuilds"),
         "model": rows[0]["model"] if rows else None,
     }
+
+
+def _per_actor_sum(rows: list[dict[str, Any]], key: str) -> int:
+    """The sum over actors of each one's largest `key` among its stats rows (a count since its engine started)."""
+    latest: dict[str, int] = {}
+    for r in rows:
+        latest[r["actor_id"]] = max(latest.get(r["actor_id"], 0), r[key] or 0)
+    return sum(latest.values())
 
 
 def format_summary(summary: dict[str, Any]) -> str:

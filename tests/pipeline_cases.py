@@ -35,7 +35,8 @@ class FakeEngine:
         pass
 
     def stats(self):
-        return {"max_allocated_mb": 12.5, "kv_cache_bytes": 100, "kv_cache_bytes_bf16": 400, "device_name": "fake"}
+        return {"max_allocated_mb": 12.5, "kv_cache_bytes": 100, "kv_cache_bytes_bf16": 400, "device_name": "fake",
+                "oom_retries_total": 0, "rebuilds_total": 0}
 
     def generate(self, requests):
         self.seen += requests

@@ -161,8 +161,9 @@ def test_no_rebuild_for_a_scratch_no_larger_than_one_the_plan_had_no_room_for(ti
 
 
 def test_a_failed_rebuild_builds_the_cache_as_it_was_and_loses_no_row(tiny, monkeypatch):
-    """Out of memory in the rebuild for a late long prompt: the engine builds the cache it had (its plan's lengths)
-    and every row, the long one among them, still runs: no call in flight fails."""
+    """Out of memory in the rebuild for late long prompts: the engine builds the cache it had (its plan's lengths)
+    and every row, the long ones among them, still runs: no call in flight fails, and the second long prompt is no
+    reason to try another rebuild."""
     from pipeline.actors.engine import build
 
     config = EngineConfig(kivi=None, max_prefill_tokens=16, page_size=16, max_batch_size=3, cpu_cache_gib=1 / 256)
@@ -172,15 +173,99 @@ def test_a_failed_rebuild_builds_the_cache_as_it_was_and_loses_no_row(tiny, monk
     first, real = engine.plan, build.allocate_parts
 
     def parts(*args, prefill_lens, **kwargs):
-        if 90 in prefill_lens:
+        if max(prefill_lens) >= 90:
             raise torch.OutOfMemoryError("simulated rebuild")
         return real(*args, prefill_lens=prefill_lens, **kwargs)
 
     monkeypatch.setattr(build, "allocate_parts", parts)
-    late = engine.add([r.__class__("late", r.prompt_token_ids, r.sampling) for r in requests([90], [5], seed=4)])
+    late = engine.add([r.__class__(f"late{i}", r.prompt_token_ids, r.sampling)
+                       for i, r in enumerate(requests([90, 95], [5, 4], seed=4))])
     for _ in range(1_000):
         if not (sub.pending or late.pending):
             break
         engine.step()
-    assert [len(c.token_ids) for c in sub.results + late.results] == [8, 6, 5]
+    assert [len(c.token_ids) for c in sub.results + late.results] == [8, 6, 5, 4]
     assert engine.stats()["rebuilds"] == 1 and engine.plan == first  # the cache as it was
+
+
+def test_a_prompt_chunked_because_an_oom_lowered_the_prefill_budget_gets_its_scratch(tiny, monkeypatch):
+    """A batch prefill that ran out of memory lowers the prefill budget under max_prefill_tokens, and a later prompt
+    between the two then goes through in chunks, with a scratch the plan (made at max_prefill_tokens) never counted:
+    it waits for the rows in flight, and the engine builds again with its scratch aside, keeping the lowered
+    budget. Every row gives generate()'s tokens."""
+    from transformers import DynamicCache
+
+    from pipeline.actors.engine.model_runner import ModelRunner
+    from tests.engine_cases import hf_greedy
+
+    config = EngineConfig(kivi=None, max_prefill_tokens=64, page_size=16, max_batch_size=4, cpu_cache_gib=1 / 256)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    real, failed = ModelRunner.prefill, []
+
+    def prefill(self, prompts, slots, chunk_tokens=None):
+        if len(prompts) > 1 and not failed:
+            failed.append(len(prompts))
+            raise torch.OutOfMemoryError("simulated batch prefill")
+        return real(self, prompts, slots, chunk_tokens)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    seed = int(torch.randint(0, 1000, ()))
+    first = requests([20, 20, 18], [8, 6, 7], seed=seed)
+    sub = engine.add(first)
+    engine.step()  # out of memory: a budget of half the 60 padded tokens from now on
+    assert failed == [3] and engine.scheduler.max_prefill_tokens == 30 and engine.plan.scratch_bytes == 0
+    engine.step()
+    mid = int(torch.randint(31, 65, ()))  # past the lowered budget, within max_prefill_tokens
+    late = [r.__class__("late", r.prompt_token_ids, r.sampling) for r in requests([mid], [5], seed=seed + 1)]
+    sub_late = engine.add(late)
+    for _ in range(1_000):
+        if not (sub.pending or sub_late.pending):
+            break
+        engine.step()
+    layers, heads, dim = kv_shape(tiny.config)
+    assert engine.stats()["rebuilds"] == 1 and engine.plan.scratch_bytes == 2 * layers * heads * mid * dim * 4
+    assert engine.scheduler.max_prefill_tokens == 30  # what the error taught the scheduler outlives the rebuild
+    engine.reset_stats()  # the counts since the engine started (the per-shard stats') outlive a reset
+    counts = engine.stats()
+    assert (counts["oom_retries"], counts["rebuilds"], counts["oom_retries_total"], counts["rebuilds_total"]) == (
+        0, 0, 1, 1)
+    for req, comp in zip(first + late, sub.results + sub_late.results, strict=True):
+        expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
+                                    DynamicCache(config=tiny.config))
+        assert comp.error is None and comp.token_ids[: clear + 1] == expected[: clear + 1], req.request_id
+
+
+def test_a_decode_oom_halves_the_prefill_budget_but_chunks_no_prompt_within_max_prefill_tokens(tiny, monkeypatch):
+    """A decode step out of memory requeues its rows with a halved prefill budget (smaller batches), while
+    max_prefill_tokens stays: a prompt between the two still goes whole, so it needs no scratch and no rebuild."""
+    from transformers import DynamicCache
+
+    from pipeline.actors.engine.model_runner import ModelRunner
+    from tests.engine_cases import hf_greedy
+
+    config = EngineConfig(kivi=None, max_prefill_tokens=64, page_size=16, max_batch_size=4, cpu_cache_gib=1 / 256)
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    prefill, decode, chunks, failed = ModelRunner.prefill, ModelRunner.decode, [], []
+
+    def spy_prefill(self, prompts, slots, chunk_tokens=None):
+        chunks.append((len(prompts[0]), chunk_tokens, engine.scheduler.prefill_tokens))
+        return prefill(self, prompts, slots, chunk_tokens)
+
+    def spy_decode(self, *args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise torch.OutOfMemoryError("simulated decode step")
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill", spy_prefill)
+    monkeypatch.setattr(ModelRunner, "decode", spy_decode)
+    long = int(torch.randint(33, 65, ()))  # past half of the 2 x long padded tokens that ran out, within 64
+    reqs = requests([long, 30], [6, 5], seed=int(torch.randint(0, 1000, ())))
+    out = engine.generate(reqs)
+    assert failed and engine.stats()["oom_retries"] == 1 and engine.stats()["rebuilds"] == 0
+    assert (long, None, 32) in chunks  # prefilled again whole after the error, with a budget of half the 64 tokens
+    assert all(chunk is None for _, chunk, _ in chunks) and engine.plan.scratch_bytes == 0
+    for req, comp in zip(reqs, out, strict=True):
+        expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
+                                    DynamicCache(config=tiny.config))
+        assert comp.error is None and comp.token_ids[: clear + 1] == expected[: clear + 1], req.request_id

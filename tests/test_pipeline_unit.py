@@ -162,6 +162,28 @@ def test_shard_stats_and_summary_count_the_preempted_rows():
     assert stats.summarize([row, dict(row, shard="t")], [], 1.0, 0)["num_preempted"] == 2 * row["num_preempted"]
 
 
+def test_shard_stats_and_summary_report_each_engines_oom_retries_and_rebuilds():
+    """engine_oom_retries / engine_rebuilds: counts since an actor's engine started, so a shard reports the latest
+    (largest) of its rows' and the job each actor's latest, summed over actors."""
+    n = random.randint(4, 9)
+    out = fake_actor()(pa.table({"prompt": ["a b"] * n}))
+    assert out[stats.hidden("engine_oom_retries")].to_pylist() == [0] * n  # what the fake engine reports
+    actors = [random.choice("xy") for _ in range(n - 2)] + ["x", "y"]
+    ooms, rebuilds = ([random.randint(0, 5) for _ in range(n)] for _ in range(2))
+    for name, values in (("actor_id", actors), ("engine_oom_retries", ooms), ("engine_rebuilds", rebuilds)):
+        out = _with_hidden(out, name, values)
+    rows = stats.shard_stats("s", out, {"model": "m"})
+    for row in rows:
+        mine = [i for i, a in enumerate(actors) if a == row["actor_id"]]
+        assert row["engine_oom_retries"] == max(ooms[i] for i in mine)
+        assert row["engine_rebuilds"] == max(rebuilds[i] for i in mine)
+    later = [dict(r, shard="t", engine_oom_retries=r["engine_oom_retries"] + 1) for r in rows]  # counts only grow
+    summary = stats.summarize(rows + later, [], 1.0, 0)
+    assert summary["engine_oom_retries"] == sum(r["engine_oom_retries"] for r in later)
+    assert summary["engine_rebuilds"] == sum(r["engine_rebuilds"] for r in rows)
+    assert stats.stats_table(rows).column("engine_rebuilds").to_pylist() == [r["engine_rebuilds"] for r in rows]
+
+
 def test_actor_reports_its_start_and_the_engines_build_time(tmp_path):
     """Issue 4 needs how long each actor took to start: the loader's time (model load, engine object)
     and the engine's one-time build, carried per row to the per-shard stats."""

@@ -179,6 +179,8 @@ class GenerateActor:
             "actor_start_s": self.start_s,
             "engine_build_s": es.get("build_s"),
             "preemptions": [c.preemptions if c else 0 for c in done],
+            "engine_oom_retries": int(es["oom_retries_total"]),
+            "engine_rebuilds": int(es["rebuilds_total"]),
         }
         cols.update(stats.hidden_columns(n, hidden))
         out = batch.drop_columns([c for c in CONSUMED_COLUMNS if c in batch.column_names])

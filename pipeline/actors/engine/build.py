@@ -43,16 +43,19 @@ class EngineParts:
 
 
 def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model_len: int, budget_scale: float,
-                   final: bool, prefill_lens: list[int] | None = None) -> EngineParts:
+                   final: bool, prefill_lens: list[int] | None = None, previous: Scheduler | None = None
+                   ) -> EngineParts:
     """Plan the cache for sequences of these total lengths (and prefills: the longest that goes through in chunks
     has its scratch set aside) at budget_scale of the memory budget, allocate it and
-    capture the decode graphs. Raises memory.HeadroomShortfall (only when not final) if the graphs' pool left less
-    than the plan's prefill workspace, and torch.OutOfMemoryError as the device does (memory.build_shrinking retries
-    both)."""
+    capture the decode graphs. previous: the scheduler of the build before (a rebuild's), whose limits carry over
+    (Scheduler.carry_over), its max_prefill_tokens among them: prefills longer than that go in chunks
+    (Scheduler.chunk_size), so the plan counts their scratch from there. Raises memory.HeadroomShortfall (only
+    when not final) if the graphs' pool left less than the plan's prefill workspace, and torch.OutOfMemoryError
+    as the device does (memory.build_shrinking retries both)."""
     param = next(model.parameters())
     storage, fused = engine_storage(config, param.device), fused_layers(model, config, param.device)
     plan = plan_for(model, storage, config, total_lens, max_model_len, fused, budget_scale=budget_scale,
-                    prefill_lens=prefill_lens)
+                    prefill_lens=prefill_lens, chunk_tokens=previous.max_prefill_tokens if previous else None)
     cache = EngineCache(model.config, storage, num_slots=plan.num_slots, num_pages=plan.num_pages,
                         max_pages_per_seq=max(1, storage.pages_for(max_model_len)),
                         dtype=config.torch_cache_dtype(param.dtype), device=param.device, scratch_dtype=param.dtype)
@@ -62,8 +65,10 @@ def allocate_parts(model, config: EngineConfig, total_lens: list[int], max_model
                          layers=fused, tune_buckets=config.tune_buckets)
     reserved = reserved_bytes(param.device)
     check_headroom(plan, reserved, strict=not final)  # the graphs' pool is known now
-    return EngineParts(plan, cache, blocks, Scheduler(blocks, config.max_prefill_tokens), runner,
-                       scratch_room(plan, reserved))
+    scheduler = Scheduler(blocks, config.max_prefill_tokens)
+    if previous is not None:
+        scheduler.carry_over(previous)
+    return EngineParts(plan, cache, blocks, scheduler, runner, scratch_room(plan, reserved))
 
 
 def fused_layers(model, config: EngineConfig, device: torch.device) -> FusedLayers | None:
@@ -84,21 +89,21 @@ class CacheBuilds:
     plans, allocates and captures, its out-of-memory retries, and the rebuild for a prompt whose chunked prefill
     needs a larger scratch than the build has room for."""
 
-    def _build(self, seqs: list[Sequence], lens: tuple[list[int], list[int]] | None = None) -> None:
+    def _build(self, seqs: list[Sequence], lens: tuple[list[int], list[int]] | None = None,
+               previous: Scheduler | None = None) -> None:
         """Plan and allocate the cache for sequences like these, then capture the decode graphs; out of memory,
         again with a smaller budget (memory.build_shrinking; each retry counts in the stats' oom_retries). Then
         the warm-up prefill (EngineConfig.warm_prefill), so that its kernels compile inside build_s. A rebuild
         (_rebuild) adds its time to build_s; time to first token still counts from the first build's end.
-        lens: (plan lengths, prefill lengths) to plan for instead of the sequences' (_plan_lengths)."""
+        lens: (plan lengths, prefill lengths) to plan for instead of the sequences' (_plan_lengths); previous: the
+        scheduler before a rebuild (allocate_parts)."""
         t0, first = time.perf_counter(), self.build_s is None
         if lens is None:
             lens = self._plan_lengths(seqs)
             if not first:  # slots and pages for the mix the first build saw, every scratch planned so far or now
                 lens = (self.planned_lens[0], self.planned_lens[1] + lens[1])
-        build_shrinking(lambda scale, final: self._allocate(*lens, scale, final), self._release)
+        build_shrinking(lambda scale, final: self._allocate(*lens, scale, final, previous), self._release)
         self.planned_lens, self.scratch_asked = lens, self._scratch_of(lens[1])
-        for seq in seqs:
-            seq.planned = True
         self._warm_prefill()
         self.ready_at = time.perf_counter() if first else self.ready_at
         self.build_s = (self.build_s or 0.0) + time.perf_counter() - t0
@@ -107,15 +112,17 @@ class CacheBuilds:
 
     def _scratch_short(self, seq: Sequence) -> bool:
         """Whether a waiting sequence goes through in chunks with a scratch larger than the build has room for and
-        than any the build was planned for (a longer prompt that came later): a rebuild may make room for it. For a
-        scratch no larger than one the plan asked for, it had set that aside or had no room for it beside the cache
-        (memory.plan_for's warning), and building again would make none."""
-        return not seq.planned and self._scratch_of([seq.cached_len]) > max(self.scratch_room, self.scratch_asked)
+        than any the build asked for: a longer prompt that came later, or a shorter one that goes in chunks only
+        because a prefill's out-of-memory error lowered max_prefill_tokens. A rebuild may make room for it. For a
+        scratch no larger than one the build asked for, it had set that aside or had no room for it beside the
+        cache (memory.plan_for's warning), and building again would make none."""
+        return self._scratch_of([seq.cached_len]) > max(self.scratch_room, self.scratch_asked)
 
     def _scratch_of(self, prefill_lens: list[int]) -> int:
-        """memory.scratch_bytes of the longest of these prefills that goes through in chunks, in the model's dtype."""
+        """memory.scratch_bytes, in the model's dtype, of the longest of these prefills that goes through in chunks:
+        one longer than the scheduler's max_prefill_tokens (Scheduler.chunk_size)."""
         layers, kv_heads, head_dim = kv_shape(self.model.config)
-        return scratch_bytes(prefill_lens, self.config.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
+        return scratch_bytes(prefill_lens, self.scheduler.max_prefill_tokens, layers, kv_heads, head_dim, self.dtype)
 
     def _rebuild(self) -> None:
         """With nothing running: plan, allocate and capture again, for the mix of lengths the first build saw (not
@@ -126,22 +133,20 @@ class CacheBuilds:
         old, waiting, t0 = self.scheduler, list(self.scheduler.waiting), time.perf_counter()
         log.warning("a %d-token prefill needs more scratch than the cache plan left room for: building the cache "
                     "again for the %d waiting requests", waiting[0].cached_len, len(waiting))
-        previous = self.planned_lens
+        previous_lens = self.planned_lens
         self._release(False)
         gc.collect()  # the cache's layers refer back to it (a cycle): gone before the new plan measures what is left
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.build_s += time.perf_counter() - t0
         try:
-            self._build(waiting)
+            self._build(waiting, previous=old)
         except (torch.OutOfMemoryError, ValueError):  # the build before fitted: it again, and the long row tries alone
             log.warning("the rebuild failed: building the cache as it was", exc_info=True)
-            self._build(waiting, previous)
+            self._build(waiting, previous_lens, old)
+            # asked for and no room: no reason for another rebuild (the waiting rows try as they are)
+            self.scratch_asked = max(self.scratch_asked, self._scratch_of([s.cached_len for s in waiting]))
         self.stats_acc["rebuilds"] += 1
-        self.scheduler.shares.extend(old.shares)  # what finished rows and out-of-memory errors taught it
-        self.scheduler.max_prefill_tokens = min(self.scheduler.max_prefill_tokens, old.max_prefill_tokens)
-        self.scheduler.prefill_tokens = min(self.scheduler.prefill_tokens, old.prefill_tokens)
-        self.scheduler.max_running = min(self.scheduler.max_running, old.max_running)
         self.scheduler.waiting.extend(waiting)
 
     def _warm_prefill(self) -> None:
@@ -170,9 +175,10 @@ class CacheBuilds:
         # the prefills: a prompt, or where a row grows (and may be preempted) its prompt and output
         return [s.plan_len(share) for s in seqs], [s.total_len if s.grows else s.prompt_len for s in seqs]
 
-    def _allocate(self, lens: list[int], prefills: list[int], budget_scale: float, final: bool = True) -> None:
+    def _allocate(self, lens: list[int], prefills: list[int], budget_scale: float, final: bool = True,
+                  previous: Scheduler | None = None) -> None:
         parts = allocate_parts(self.model, self.config, lens, self.max_model_len, budget_scale, final,
-                               prefill_lens=prefills)
+                               prefill_lens=prefills, previous=previous)
         self.plan, self.cache, self.blocks = parts.plan, parts.cache, parts.blocks
         self.scheduler, self.runner, self.scratch_room = parts.scheduler, parts.runner, parts.scratch_room
 

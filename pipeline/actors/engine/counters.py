@@ -8,6 +8,10 @@ import torch
 
 from pipeline.actors.engine.memory import peak_memory_mb
 
+# counts that the snapshot also gives since the engine started (`<name>_total`, across resets): the per-shard stats
+# report them, whether an actor resets the engine's stats for each call or never does
+LIFETIME = ("oom_retries", "rebuilds")
+
 
 class EngineCounters:
     """`acc` holds the totals (the same dict across resets, so holders of it stay current). prefill_tokens counts
@@ -17,9 +21,12 @@ class EngineCounters:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.acc: dict = {}
+        self.before = dict.fromkeys(LIFETIME, 0)  # LIFETIME counts of the totals before the last reset
         self.reset()
 
     def reset(self) -> None:
+        for key in LIFETIME:
+            self.before[key] += self.acc.get(key, 0)
         self.acc.clear()
         self.acc.update(kv_cache_bytes=0, kv_cache_bytes_bf16=0, decode_steps=0, decode_s=0.0, prefill_tokens=0,
                         prefill_s=0.0, max_in_flight=0, oom_retries=0, wall_s=0.0, preemptions=0,
@@ -47,6 +54,7 @@ class EngineCounters:
         """The totals with the device's peak memory, the build's time and the plan's slots and pages."""
         max_mb, name = peak_memory_mb(self.device)
         out = dict(self.acc, max_allocated_mb=max_mb, device_name=name, build_s=build_s)
+        out.update({f"{key}_total": self.before[key] + self.acc[key] for key in LIFETIME})
         if plan is not None:
             out.update(num_slots=plan.num_slots, num_pages=plan.num_pages)
         return out

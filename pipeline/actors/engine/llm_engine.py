@@ -141,7 +141,7 @@ class LLMEngine(CacheBuilds):
             for seq in batch:
                 self.cache.set_pages(seq.slot, seq.pages)
             logits = self.runner.prefill([s.prefill_ids for s in batch], [s.slot for s in batch],
-                                         chunk_tokens=self.scheduler.prefill_tokens)
+                                         chunk_tokens=self.scheduler.chunk_size(batch))
         except torch.OutOfMemoryError:
             self._out_of_memory(batch, prefill=True)
             return
@@ -214,10 +214,11 @@ class LLMEngine(CacheBuilds):
         chunk = self.scheduler.prefill_tokens
         ran = seqs[0].cached_len if prefill else seqs[0].prompt_len  # a resumed prefill ran its output too
         lone = len(seqs) == 1 and chunk <= ran  # no smaller batch to try
-        if lone and not (prefill and chunk > MIN_CHUNK_TOKENS):
+        chunked = prefill and self.scheduler.chunk_size(seqs) is not None  # else a whole one: chunks are next
+        if lone and not (prefill and (not chunked or chunk > MIN_CHUNK_TOKENS)):
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
-            alone = f", in chunks of {chunk} tokens" if prefill else ""
+            alone = f", in chunks of {chunk} tokens" if chunked else ""
             failed = seqs[0].request.error(f"CUDA out of memory for this request alone{alone}")
             failed.preemptions, failed.preempted_s = seqs[0].preemptions, seqs[0].preempted_s
             self._complete(seqs[0], failed)

@@ -124,13 +124,16 @@ def plan_cache(*, limit_bytes: int, used_bytes: int, workspace_bytes: int, page_
 
 
 def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, fused=None,
-             budget_scale: float = 1.0, prefill_lens: list[int] | None = None) -> CachePlan:
+             budget_scale: float = 1.0, prefill_lens: list[int] | None = None,
+             chunk_tokens: int | None = None) -> CachePlan:
     """The cache plan of an engine (EngineConfig `config`, its cache `storage`) for sequences of these total
     lengths. On a GPU the limit is memory_limit_gib, or gpu_memory_utilization of the device, less the weights
     allocated now and the measured workspace of a prefill forward (run under `fused`, as the engine's forwards
     will be); on a CPU it is cpu_cache_gib. Either way the scratch of the longest of `prefill_lens` that goes
     through in chunks is set aside (scratch_bytes) where the cache still fits beside it (else it is planned without,
-    with a warning, and that prefill may fail alone); the rest is the cache's. budget_scale as in plan_cache."""
+    with a warning, and that prefill may fail alone); the rest is the cache's. chunk_tokens: the length past which a
+    prefill goes in chunks (the scheduler's max_prefill_tokens, which a prefill's out-of-memory error lowers;
+    config.max_prefill_tokens if None). budget_scale as in plan_cache."""
     param = next(model.parameters())
     layers, kv_heads, head_dim = kv_shape(model.config)
     if param.device.type == "cuda":
@@ -149,16 +152,17 @@ def plan_for(model, storage, config, total_lens: list[int], max_model_len: int, 
                    pages_per_seq=mean_pages(total_lens, storage.pages_for), max_batch=config.max_batch_size,
                    min_pages=storage.pages_for(max_model_len), max_pages_per_slot=most_pages, budget_scale=budget_scale)
     # the scratch holds the model's own keys and values (its dtype), whatever the cache keeps
-    scratch = scratch_bytes(prefill_lens or [], config.max_prefill_tokens, layers, kv_heads, head_dim, param.dtype)
+    chunk_tokens = chunk_tokens or config.max_prefill_tokens
+    scratch = scratch_bytes(prefill_lens or [], chunk_tokens, layers, kv_heads, head_dim, param.dtype)
     try:
         return plan(scratch=scratch)
     except ValueError:
         if not scratch:
             raise
         cache_only = plan()  # raises if the cache does not fit even alone
-        log.warning("no room beside the cache for a %.2f GiB prefill scratch (a prompt past max_prefill_tokens=%d):"
-                    " planned without it; that prefill may run out of memory and fail alone", scratch / 2**30,
-                    config.max_prefill_tokens)
+        log.warning("no room beside the cache for a %.2f GiB prefill scratch (a prompt past %d tokens goes in "
+                    "chunks): planned without it; that prefill may run out of memory and fail alone", scratch / 2**30,
+                    chunk_tokens)
         return cache_only
 
 

@@ -171,7 +171,6 @@ class Sequence:
     t_preempted: float | None = None  # perf_counter at its last preemption, until its rebuild's first token
     preempted_s: float = 0.0  # time out of the cache: from each preemption to the token its rebuild made
     grows: bool = False  # takes pages as it grows (EngineConfig.page_growth, for a row that may stop early)
-    planned: bool = False  # among the requests an engine's cache build was planned for (its scratch set aside)
 
     @classmethod
     def start(cls, index: int, request: Request, max_new_tokens: int, submission: Submission | None = None

@@ -43,6 +43,14 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
+    def carry_over(self, old: Scheduler) -> None:
+        """Keep what an earlier build's scheduler learned (a rebuild's): finished rows' shares of new tokens and the
+        limits its out-of-memory errors set."""
+        self.shares.extend(old.shares)
+        self.max_prefill_tokens = min(self.max_prefill_tokens, old.max_prefill_tokens)
+        self.prefill_tokens = min(self.prefill_tokens, old.prefill_tokens)
+        self.max_running = min(self.max_running, old.max_running)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -133,6 +141,15 @@ class Scheduler:
         seq.preemptions += 1
         seq.t_preempted = time.perf_counter()
         self.waiting.appendleft(seq)
+
+    def chunk_size(self, batch: list[Sequence]) -> int | None:
+        """The chunks a prefill of this batch goes in (ModelRunner.prefill's chunk_tokens): a lone sequence longer
+        than max_prefill_tokens goes in chunks of the prefill budget; anything else whole (None). The length past
+        which a prompt goes in chunks is then max_prefill_tokens, which only a prefill's out-of-memory error lowers,
+        for good: the memory plan counts a chunked prefill's scratch from it (LLMEngine._scratch_of)."""
+        if len(batch) == 1 and batch[0].cached_len > self.max_prefill_tokens:
+            return self.prefill_tokens
+        return None
 
     def start_running(self, batch: list[Sequence]) -> None:
         """A prefill went through: its sequences run, and a budget cut by an OOM regrows step by step."""
