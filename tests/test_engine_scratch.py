@@ -269,3 +269,67 @@ def test_a_decode_oom_halves_the_prefill_budget_but_chunks_no_prompt_within_max_
         expected, clear = hf_greedy(tiny, req.prompt_token_ids, req.sampling.max_new_tokens,
                                     DynamicCache(config=tiny.config))
         assert comp.error is None and comp.token_ids[: clear + 1] == expected[: clear + 1], req.request_id
+
+
+def test_a_lone_prompt_whose_whole_prefill_runs_out_of_memory_goes_in_chunks_next(tiny, monkeypatch):
+    """A lone prompt within max_prefill_tokens that runs out of memory whole goes in chunks next (of half its
+    length, past a max_prefill_tokens lowered to that), with its scratch aside, and gives generate()'s tokens; a
+    one-token prompt, which has no chunks to try, becomes an error row that names no chunks."""
+    from transformers import DynamicCache
+
+    from pipeline.actors.engine.model_runner import ModelRunner
+    from tests.engine_cases import hf_greedy
+
+    config = EngineConfig(kivi=None, max_prefill_tokens=64, page_size=16, max_batch_size=4, cpu_cache_gib=1 / 256)
+    real, seen = ModelRunner.prefill, []
+
+    def prefill(self, prompts, slots, chunk_tokens=None):
+        seen.append((len(prompts[0]), chunk_tokens))
+        if len(prompts[0]) == 1 or len(seen) == 1:  # the first prefill once, a one-token prompt every time
+            raise torch.OutOfMemoryError("simulated prefill")
+        return real(self, prompts, slots, chunk_tokens)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    n = int(torch.randint(3, 65, ()))
+    reqs = requests([n], [5], seed=int(torch.randint(0, 1000, ())))
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    out = engine.generate(reqs)
+    assert seen[:2] == [(n, None), (n, n // 2)] and engine.scheduler.max_prefill_tokens == n // 2
+    layers, heads, dim = kv_shape(tiny.config)
+    assert engine.stats()["rebuilds"] == 1 and engine.plan.scratch_bytes == 2 * layers * heads * n * dim * 4
+    expected, clear = hf_greedy(tiny, reqs[0].prompt_token_ids, 5, DynamicCache(config=tiny.config))
+    assert out[0].error is None and out[0].token_ids[: clear + 1] == expected[: clear + 1]
+    engine = LLMEngine(tiny, StubTokenizer(), config)
+    sub = engine.add(requests([1, 9], [3, 3], seed=5))
+    for _ in range(100):  # a bound: retried for ever, the one-token row would stay pending
+        if not sub.pending:
+            break
+        engine.step()
+    one, other = sub.results
+    assert one.finish_reason == "error" and "out of memory" in one.error and "chunks" not in one.error
+    assert other.error is None and len(other.token_ids) == 3
+
+
+def test_a_chunk_out_of_memory_halves_the_chunks_and_keeps_where_prompts_go_in_chunks(tiny, monkeypatch):
+    """A lone prompt past max_prefill_tokens that runs out of memory in a chunk is retried in chunks half as long;
+    max_prefill_tokens, the length past which prompts go in chunks, stays (a whole prefill of that size did not
+    fail), so a later prompt within it goes whole."""
+    from pipeline.actors.engine import llm_engine
+    from pipeline.actors.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(llm_engine, "MIN_CHUNK_TOKENS", 8)
+    real, seen = ModelRunner.prefill, []
+
+    def prefill(self, prompts, slots, chunk_tokens=None):
+        seen.append((len(prompts[0]), chunk_tokens))
+        if chunk_tokens == 64:
+            raise torch.OutOfMemoryError("simulated chunk")
+        return real(self, prompts, slots, chunk_tokens)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=None, max_prefill_tokens=64, max_batch_size=4))
+    long = int(torch.randint(65, 128, ()))  # under twice max_prefill_tokens
+    out = engine.generate(requests([long], [4], seed=long))
+    assert out[0].error is None and seen == [(long, 64), (long, 32)] and engine.scheduler.max_prefill_tokens == 64
+    short = int(torch.randint(long // 2 + 1, 65, ()))
+    assert engine.generate(requests([short], [3], seed=short))[0].error is None and seen[-1] == (short, None)

@@ -197,13 +197,15 @@ def _time_per_output_token(c) -> float | None:
 
 
 def _actor_id() -> str:
+    """The Ray actor's id and this process's: an actor that Ray restarts keeps its id but starts a new engine,
+    whose counts (engine_oom_retries, engine_rebuilds) start again, so the stats take it for another actor."""
     try:
         import ray
 
         if ray.is_initialized():
             actor = ray.get_runtime_context().get_actor_id()
             if actor:
-                return actor
+                return f"{actor}-pid-{os.getpid()}"
     except Exception:  # noqa: BLE001 - outside Ray (unit tests): fall back to the process
         pass
     return f"pid-{os.getpid()}"

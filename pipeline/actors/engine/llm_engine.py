@@ -208,14 +208,16 @@ class LLMEngine(CacheBuilds):
 
     def _out_of_memory(self, seqs: list[Sequence], prefill: bool = False) -> None:
         """Shrink the batch and put the work back in the queue. A lone sequence that fails is an error, unless it
-        failed in a chunked prefill whose chunks can still halve (down to MIN_CHUNK_TOKENS)."""
+        failed in a prefill: a whole one of more than one token goes in chunks next (Scheduler.shrink), a chunked
+        one in chunks half as long, down to MIN_CHUNK_TOKENS."""
         torch.cuda.empty_cache()
         self.stats_acc["oom_retries"] += 1
         chunk = self.scheduler.prefill_tokens
         ran = seqs[0].cached_len if prefill else seqs[0].prompt_len  # a resumed prefill ran its output too
         lone = len(seqs) == 1 and chunk <= ran  # no smaller batch to try
-        chunked = prefill and self.scheduler.chunk_size(seqs) is not None  # else a whole one: chunks are next
-        if lone and not (prefill and (not chunked or chunk > MIN_CHUNK_TOKENS)):
+        chunked = prefill and self.scheduler.chunk_size(seqs) is not None
+        retry = prefill and (chunk > MIN_CHUNK_TOKENS if chunked else ran > 1)  # a whole prefill: chunks are next
+        if lone and not retry:
             self.scheduler.finish(seqs[0])
             self.blocks.release(seqs[0])
             alone = f", in chunks of {chunk} tokens" if chunked else ""

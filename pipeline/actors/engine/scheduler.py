@@ -174,10 +174,13 @@ class Scheduler:
         """Requeue `seqs` from scratch at the front; the next prefill gets at most half their tokens.
 
         prefill: their prefill ran out of memory, so the budget also never regrows past half its size (a
-        prefill of that size would fail again: the cache is allocated once, so free memory does not grow).
+        prefill of that size would fail again: the cache is allocated once, so free memory does not grow), and
+        prompts past that go in chunks (chunk_size); a lone prompt that failed in chunks is retried in chunks half
+        as long, and the length past which prompts go in chunks stays.
         """
         # what the failed prefill ran (a preempted sequence's prompt + output), or the prompts that run next
         padded = max(s.cached_len if prefill else s.prompt_len for s in seqs) * len(seqs)
+        chunked = prefill and self.chunk_size(seqs) is not None  # it failed in a chunk of prefill_tokens
         for seq in reversed(seqs):
             self.blocks.release(seq)
             if seq in self.running:
@@ -187,7 +190,7 @@ class Scheduler:
             seq.t_preempted, seq.preempted_s, seq.preemptions = None, 0.0, 0
             self.waiting.appendleft(seq)
         self.prefill_tokens = max(1, min(self.prefill_tokens, padded) // 2)
-        if prefill:
+        if prefill and not chunked:  # a chunked one's chunks halve, and prompts go whole up to where they did
             self.max_prefill_tokens = min(self.max_prefill_tokens, max(1, padded // 2))
 
 
