@@ -36,7 +36,7 @@ class FakeEngine:
 
     def stats(self):
         return {"max_allocated_mb": 12.5, "kv_cache_bytes": 100, "kv_cache_bytes_bf16": 400, "device_name": "fake",
-                "oom_retries_total": 0, "rebuilds_total": 0}
+                "oom_retries_total": 0, "rebuilds_total": 0, "model_dtype": "float32", "cache_dtype": "bfloat16"}
 
     def generate(self, requests):
         self.seen += requests

@@ -71,6 +71,9 @@ def test_float32_model_over_a_bf16_plain_cache(tiny):
         same += comp.token_ids[:4] == expected[:4]
     assert same >= 2
     assert 2 * engines["bfloat16"].stats()["kv_cache_bytes"] == engines[None].stats()["kv_cache_bytes"] > 0
+    # what the per-shard stats report as the dtypes that made the rows
+    assert [(e.stats()["model_dtype"], e.stats()["cache_dtype"]) for e in engines.values()] == [
+        ("float32", "bfloat16"), ("float32", "float32")]
 
 
 def test_storage_rounds_to_the_ring_dtype_before_it_quantizes():

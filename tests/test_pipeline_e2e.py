@@ -152,6 +152,7 @@ def test_stats_per_shard_and_kv_ratio(chat_job):
         assert sum(r["num_failed"] for r in rows) == failed
         for r in rows:
             assert r["kv_bits"] == 2 and r["residual_length"] == 32 and r["device_name"]
+            assert r["model_dtype"] == r["cache_dtype"] == "bfloat16"  # the job's --dtype bfloat16
             assert r["elapsed_time_s"] > 0 and r["max_allocated_mb"] > 0 and "-pid-" in r["actor_id"]  # a Ray actor
             assert r["engine_oom_retries"] == 0 and r["engine_rebuilds"] == 0  # the real engine's counts
     long_rows = read(root / "out/_stats/sub__c.parquet").to_pylist()

@@ -181,6 +181,7 @@ def test_shard_stats_and_summary_report_each_engines_oom_retries_and_rebuilds():
     summary = stats.summarize(rows + later, [], 1.0, 0)
     assert summary["engine_oom_retries"] == sum(r["engine_oom_retries"] for r in later)
     assert summary["engine_rebuilds"] == sum(r["engine_rebuilds"] for r in rows)
+    assert [r["model_dtype"] for r in rows] == ["float32"] * len(rows) and summary["model_dtypes"] == ["float32"]
     assert stats.stats_table(rows).column("engine_rebuilds").to_pylist() == [r["engine_rebuilds"] for r in rows]
 
 

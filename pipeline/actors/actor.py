@@ -176,6 +176,8 @@ class GenerateActor:
             "kv_cache_bytes": int(es["kv_cache_bytes"]),
             "kv_cache_bytes_bf16": int(es["kv_cache_bytes_bf16"]),
             "device_name": str(es["device_name"]),
+            "model_dtype": es["model_dtype"],
+            "cache_dtype": es["cache_dtype"],
             "actor_start_s": self.start_s,
             "engine_build_s": es.get("build_s"),
             "preemptions": [c.preemptions if c else 0 for c in done],

@@ -285,8 +285,12 @@ class LLMEngine(CacheBuilds):
         self.counters.reset()
 
     def stats(self) -> dict:
-        """Peaks and totals since the last reset_stats()."""
-        return self.counters.snapshot(self.build_s, self.plan if self.runner is not None else None)
+        """Peaks and totals since the last reset_stats(), and the dtypes the model computes in and the cache keeps
+        its full-precision tokens and scales in."""
+        out = self.counters.snapshot(self.build_s, self.plan if self.runner is not None else None)
+        out.update(model_dtype=str(self.dtype).removeprefix("torch."),
+                   cache_dtype=str(self.config.torch_cache_dtype(self.dtype)).removeprefix("torch."))
+        return out
 
 
 def _picker(seqs: list[Sequence], device: torch.device):
