@@ -142,7 +142,7 @@ class CacheBuilds:
         try:
             self._build(waiting, previous=old)
         except (torch.OutOfMemoryError, ValueError):  # the build before fitted: it again, and the long row tries alone
-            log.warning("the rebuild failed: building the cache as it was", exc_info=True)
+            log.warning("the rebuild failed: building the cache for the lengths planned before", exc_info=True)
             self._build(waiting, previous_lens, old)
             # asked for and no room: no reason for another rebuild (the waiting rows try as they are)
             self.scratch_asked = max(self.scratch_asked, self._scratch_of([s.cached_len for s in waiting]))
