@@ -13,6 +13,25 @@ from pipeline.actors.engine.memory import plan_cache
 from tests.engine_cases import StubTokenizer, requests
 
 
+def patch_prefill(monkeypatch, fails) -> tuple[list, list]:
+    """Every ModelRunner's prefill (a rebuild's runner too) records (its first prompt's length, chunk_tokens) in
+    `calls`, and raises a CUDA out-of-memory error where fails(prompts, chunk_tokens, failures so far) is true,
+    recording the rows it had in `failures`. Returns (calls, failures)."""
+    from pipeline.actors.engine.model_runner import ModelRunner
+
+    real, calls, failures = ModelRunner.prefill, [], []
+
+    def prefill(self, prompts, slots, chunk_tokens=None):
+        calls.append((len(prompts[0]), chunk_tokens))
+        if fails(prompts, chunk_tokens, failures):
+            failures.append(len(prompts))
+            raise torch.OutOfMemoryError("simulated prefill")
+        return real(self, prompts, slots, chunk_tokens)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    return calls, failures
+
+
 def test_memory_plan_sets_a_chunked_prompts_scratch_aside():
     """plan_cache takes the scratch off the budget like the weights; scratch_bytes counts keys and values of every
     layer for the longest prompt past max_prefill_tokens, and nothing when no prompt goes through in chunks."""
@@ -195,20 +214,11 @@ def test_a_prompt_chunked_because_an_oom_lowered_the_prefill_budget_gets_its_scr
     budget. Every row gives generate()'s tokens."""
     from transformers import DynamicCache
 
-    from pipeline.actors.engine.model_runner import ModelRunner
     from tests.engine_cases import hf_greedy
 
     config = EngineConfig(kivi=None, max_prefill_tokens=64, page_size=16, max_batch_size=4, cpu_cache_gib=1 / 256)
     engine = LLMEngine(tiny, StubTokenizer(), config)
-    real, failed = ModelRunner.prefill, []
-
-    def prefill(self, prompts, slots, chunk_tokens=None):
-        if len(prompts) > 1 and not failed:
-            failed.append(len(prompts))
-            raise torch.OutOfMemoryError("simulated batch prefill")
-        return real(self, prompts, slots, chunk_tokens)
-
-    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    _, failed = patch_prefill(monkeypatch, lambda prompts, _, failures: len(prompts) > 1 and not failures)
     seed = int(torch.randint(0, 1000, ()))
     first = requests([20, 20, 18], [8, 6, 7], seed=seed)
     sub = engine.add(first)
@@ -277,19 +287,11 @@ def test_a_lone_prompt_whose_whole_prefill_runs_out_of_memory_goes_in_chunks_nex
     one-token prompt, which has no chunks to try, becomes an error row that names no chunks."""
     from transformers import DynamicCache
 
-    from pipeline.actors.engine.model_runner import ModelRunner
     from tests.engine_cases import hf_greedy
 
     config = EngineConfig(kivi=None, max_prefill_tokens=64, page_size=16, max_batch_size=4, cpu_cache_gib=1 / 256)
-    real, seen = ModelRunner.prefill, []
-
-    def prefill(self, prompts, slots, chunk_tokens=None):
-        seen.append((len(prompts[0]), chunk_tokens))
-        if len(prompts[0]) == 1 or len(seen) == 1:  # the first prefill once, a one-token prompt every time
-            raise torch.OutOfMemoryError("simulated prefill")
-        return real(self, prompts, slots, chunk_tokens)
-
-    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    # the first prefill once, a one-token prompt every time
+    seen, _ = patch_prefill(monkeypatch, lambda prompts, _, failures: len(prompts[0]) == 1 or not failures)
     n = int(torch.randint(3, 65, ()))
     reqs = requests([n], [5], seed=int(torch.randint(0, 1000, ())))
     engine = LLMEngine(tiny, StubTokenizer(), config)
@@ -315,18 +317,9 @@ def test_a_chunk_out_of_memory_halves_the_chunks_and_keeps_where_prompts_go_in_c
     max_prefill_tokens, the length past which prompts go in chunks, stays (a whole prefill of that size did not
     fail), so a later prompt within it goes whole."""
     from pipeline.actors.engine import llm_engine
-    from pipeline.actors.engine.model_runner import ModelRunner
 
     monkeypatch.setattr(llm_engine, "MIN_CHUNK_TOKENS", 8)
-    real, seen = ModelRunner.prefill, []
-
-    def prefill(self, prompts, slots, chunk_tokens=None):
-        seen.append((len(prompts[0]), chunk_tokens))
-        if chunk_tokens == 64:
-            raise torch.OutOfMemoryError("simulated chunk")
-        return real(self, prompts, slots, chunk_tokens)
-
-    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    seen, _ = patch_prefill(monkeypatch, lambda _, chunk_tokens, __: chunk_tokens == 64)
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=None, max_prefill_tokens=64, max_batch_size=4))
     long = int(torch.randint(65, 128, ()))  # under twice max_prefill_tokens
     out = engine.generate(requests([long], [4], seed=long))
