@@ -54,14 +54,14 @@ def time_case(lengths: list[int], Hq: int, H: int, residual: int, l2: int) -> di
     from kernels.decode_attention import decode_attention
     from kernels.decode_attention import reference as dref
 
-    kivi_data.R = residual  # the pools' ring size and quantized_len follow it
+    before, kivi_data.R = kivi_data.R, residual  # the pools' ring size and quantized_len follow it
     try:
         B, L = len(lengths), max(lengths)
         nbytes = sum(kivi_data.kivi_bytes(1, n, Hq, H, D, 2, 2) for n in lengths)
         n_sets = sets_for(nbytes, l2, max_sets=16)
         data = kivi_data.make_kivi_sets(B, L, Hq, H, D, 2, 2, torch.bfloat16, torch.device("cuda"), n_sets, seed=7)
     finally:
-        kivi_data.R = 128
+        kivi_data.R = before
     ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=G, residual_length=residual, page_size=kivi_data.P)
     if L <= SHORT_TABLE_TOKENS:  # as the engine's short-table graphs run such rows: one block a step
         ints["step_blocks"] = 1
