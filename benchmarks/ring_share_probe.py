@@ -31,13 +31,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kivi_data  # noqa: E402
-from row_order_probe import gpu_setup, parse_shape  # noqa: E402
+from row_order_probe import gpu_setup, kivi_case, measure, parse_shape  # noqa: E402
 
-D, G = 128, 32
+G = 32  # KIVI's group size: how many tokens our ring flushes at a time
 RESIDUALS = (128, 96, 64)
 DEFAULT_SHAPES = ["b:150:1153:1280:32:32", "a:256:160:498:32:32"]
-SHORT_TABLE_TOKENS = 896  # rows that fit the engine's short table view (model_runner: 7 pages of 128 tokens)
+# rows that fit the engine's short table view (model_runner: 7 pages of 128 tokens) run one block a step there
+SHORT_TABLE_TOKENS = 896
 
 
 def split_tokens(lengths: list[int], residual: int, flush: int) -> tuple[int, int]:
@@ -46,41 +46,12 @@ def split_tokens(lengths: list[int], residual: int, flush: int) -> tuple[int, in
     return packed, sum(lengths) - packed
 
 
-def time_case(lengths: list[int], Hq: int, H: int, residual: int, l2: int) -> dict:
-    """CUDA-graph us of the 2-bit call over these rows with a ring of `residual` slots, after a check."""
-    from gpu_timing import sets_for, time_graph
-    from kernel_cases import CHECK_TOL, rel_l2
-
-    from kernels.decode_attention import decode_attention
-    from kernels.decode_attention import reference as dref
-
-    before, kivi_data.R = kivi_data.R, residual  # the pools' ring size and quantized_len follow it
-    try:
-        B, L = len(lengths), max(lengths)
-        nbytes = sum(kivi_data.kivi_bytes(1, n, Hq, H, D, 2, 2) for n in lengths)
-        n_sets = sets_for(nbytes, l2, max_sets=16)
-        data = kivi_data.make_kivi_sets(B, L, Hq, H, D, 2, 2, torch.bfloat16, torch.device("cuda"), n_sets, seed=7)
-    finally:
-        kivi_data.R = before
-    ints = dict(sm_scale=D**-0.5, k_bits=2, v_bits=2, group_size=G, residual_length=residual, page_size=kivi_data.P)
-    if L <= SHORT_TABLE_TOKENS:  # as the engine's short-table graphs run such rows: one block a step
-        ints["step_blocks"] = 1
-    lens = torch.tensor(sorted(lengths, reverse=True), dtype=torch.int32, device="cuda")
-    outs = []
-    for s in data["sets"]:
-        s["seq_lens"] = lens
-        outs.append(torch.full_like(s["q"], float("nan")))
-    calls = [lambda i=i: decode_attention(data["sets"][i]["q"], *kivi_data.kivi_args(data, i), out=outs[i], **ints)
-             for i in range(n_sets)]
-    calls[0]()
-    s, rows = data["sets"][0], [0, B - 1]
-    ref = dref.decode_attention(s["q"][rows], *kivi_data.kivi_args(data, 0)[:9], s["slots"][rows],
-                                s["seq_lens"][rows], **ints)
-    check = rel_l2(outs[0][rows], ref)
-    rec = dict(bytes=nbytes, check_rel_l2=check)
-    if check < CHECK_TOL:
-        rec["us"] = round(time_graph(calls)["ms"] * 1e3, 2)
-    return rec
+def time_case(lengths: list[int], Hq: int, H: int, residual: int, copy_gbps: float, l2: int) -> dict:
+    """The 2-bit call over these rows, longest first, with a ring of `residual` slots (row_order_probe's case and
+    measure: a check on two rows, then the CUDA-graph time)."""
+    calls, check, nbytes = kivi_case(lengths, Hq, H, 2, l2, residual=residual,
+                                     **({"step_blocks": 1} if max(lengths) <= SHORT_TABLE_TOKENS else {}))
+    return measure(dict(bytes=nbytes), calls, check, "longest-first", copy_gbps)
 
 
 def fit(records: list[dict]) -> tuple[float, float, float]:
@@ -106,10 +77,10 @@ def main() -> None:
         for residual in RESIDUALS:
             packed, ring = split_tokens(lengths, residual, G)
             rec = dict(shape=name, batch=B, q_heads=Hq, kv_heads=H, residual=residual, packed_tokens=packed,
-                       ring_tokens=ring, mean_ring_tokens=round(ring / B, 1), **time_case(lengths, Hq, H, residual, l2))
+                       ring_tokens=ring, mean_ring_tokens=round(ring / B, 1),
+                       **time_case(lengths, Hq, H, residual, copy_gbps, l2))
             torch.cuda.empty_cache()  # the case's pools
             if "us" in rec:
-                rec["frac_of_copy"] = round(rec["bytes"] / (rec["us"] * 1e-6) / 1e9 / copy_gbps, 4)
                 rows.append(rec)
             records.append(rec)
             print(f"{name} B={B} {Hq}/{H} R={residual}: ring {rec['mean_ring_tokens']} tokens a row, "

@@ -51,21 +51,28 @@ def ordered(lengths: list[int], order: str, seed: int) -> list[int]:
     return out
 
 
-def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int, **knobs):
-    """(calls(order) -> list of one-set calls, check(order) -> rel L2 on two rows, bytes) for KIVI caches; knobs
-    go to every decode_attention call."""
+def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int, residual: int = 128, **knobs):
+    """(calls(order) -> list of one-set calls, check(order) -> rel L2 on two rows, bytes) for KIVI caches with a
+    ring of `residual` slots; knobs go to every decode_attention call."""
+    import kivi_data
     from gpu_timing import sets_for
     from kernel_cases import rel_l2
-    from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
+    from kivi_data import kivi_args
 
     from kernels.decode_attention import decode_attention
     from kernels.decode_attention import reference as dref
 
     B, L = len(lengths), max(lengths)
-    nbytes = sum(kivi_bytes(1, n, Hq, H, D, bits, bits) for n in lengths)
-    n_sets = sets_for(nbytes, l2, max_sets=16)
-    data = make_kivi_sets(B, L, Hq, H, D, bits, bits, torch.bfloat16, torch.device("cuda"), n_sets, seed=7)
-    ints = dict(sm_scale=D**-0.5, k_bits=bits, v_bits=bits, group_size=32, residual_length=128, page_size=128)
+    before, kivi_data.R = kivi_data.R, residual  # the pools' ring and quantized_len follow it
+    try:
+        nbytes = sum(kivi_data.kivi_bytes(1, n, Hq, H, D, bits, bits) for n in lengths)
+        n_sets = sets_for(nbytes, l2, max_sets=16)
+        data = kivi_data.make_kivi_sets(B, L, Hq, H, D, bits, bits, torch.bfloat16, torch.device("cuda"), n_sets,
+                                        seed=7)
+    finally:
+        kivi_data.R = before
+    ints = dict(sm_scale=D**-0.5, k_bits=bits, v_bits=bits, group_size=32, residual_length=residual,
+                page_size=kivi_data.P)
     outs = [torch.empty_like(s["q"]) for s in data["sets"]]
 
     def set_order(order):
