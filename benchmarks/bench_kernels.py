@@ -10,17 +10,17 @@ On a CPU (sets TRITON_INTERPRET=1, one tiny config through every kernel; catches
 
 Kernels (head_dim 128, 32 query heads with 32 or 8 KV heads, batch 1/8/64/256, context 512/4096/32768 and
 131072 at batch 1; G=32, R=128, page 128; every row holds `context` tokens: packed tokens + 97..128 residual):
-  decode_attention      kernels.decode_attention over a 2-bit and a 4-bit cache (k_bits = v_bits), bf16; with
+  decode_attention      kivi_kernels.decode_attention over a 2-bit and a 4-bit cache (k_bits = v_bits), bf16; with
                         --tune, each shape also tries a few launch configurations (`candidates`) and reports the
                         fastest (its `tuning`); without it, the launcher's own table decides. Store kernels: the
                         default launch ({}) and, with --tune, each (block_c, num_warps) of STORE_CANDIDATES
   sdpa_bf16             torch SDPA (flash backend) with q of length 1 over contiguous bf16 K/V [B, H, L, D]
                         (enable_gqa for 8 KV heads)
-  paged_bf16            kernels.paged_attention.paged_decode_attention over a bf16 page pool
-  reference             kernels.decode_attention.reference (2-bit), batch <= 8 and context <= 4096, eager only
+  paged_bf16            kivi_kernels.paged_attention.paged_decode_attention over a bf16 page pool
+  reference             kivi_kernels.decode_attention.reference (2-bit), batch <= 8 and context <= 4096, eager only
   copy_same_bytes       torch copy_ of a 2-bit and a 4-bit decode call's bytes (below), every shape
-  quantize_pack         kernels.kv_store store_prefill of a 4096-token prompt (batch 1 and 8; 8 and 32 KV heads)
-  residual_flush        kernels.kv_store store_decode at a step where every row flushes its oldest residual group
+  quantize_pack         kivi_kernels.kv_store store_prefill of a 4096-token prompt (batch 1 and 8; 8 and 32 KV heads)
+  residual_flush        kivi_kernels.kv_store store_decode at a step where every row flushes its oldest residual group
                         (batch 64 and 256; 8 and 32 KV heads)
   residual_append       the same at an engine's step, where 1 row in 32 flushes (rows of staggered lengths up to
                         1,153 tokens; batch 141 and 238 with 32 KV heads, workloads b and a; 64 and 256 with 8)
@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
                    help="which kernels to run (quantize: quantize-and-pack at prefill alone)")
     p.add_argument("--store-baseline", action="store_true",
                    help="also time the store kernels before the channel-chunk rewrite: .scratch/store_ops_v0.py and "
-                   "store_kernel_v0.py, made by `git show c20ce12:kernels/kv_store/kernel.py`, and that commit's "
+                   "store_kernel_v0.py, made by `git show c20ce12:kivi_kernels/kv_store/kernel.py`, and that commit's "
                    "ops.py with store_prefill/store_decode renamed *_v0 and its kernel import pointed at "
                    "store_kernel_v0")
     p.add_argument("--workers", type=int, default=12, help="parallel compile processes (GPU)")

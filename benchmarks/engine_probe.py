@@ -131,7 +131,7 @@ VARIANTS = {
     "page-slack": dict(),  # the plan charges half a page more a sequence, as before (KERNEL_VARIANTS)
     "pairs": dict(),  # decode attention two 64-token blocks an online-softmax step (version 25; KERNEL_VARIANTS)
     "single": dict(),  # ... one block a step on every call (before version 25; KERNEL_VARIANTS)
-    "silu-mul": dict(fused_silu_mul=True),  # SwiGLU MLPs' act_fn(gate) * up as one kernel (kernels/silu_mul)
+    "silu-mul": dict(fused_silu_mul=True),  # SwiGLU MLPs' act_fn(gate) * up as one kernel (kivi_kernels/silu_mul)
     "separate-act": dict(fused_silu_mul=False),  # ... as transformers' two ops (the default before 2026-11-30)
     "head-major": dict(),  # decode attention's grid (B, H, splits), as before 2026-12-01 (KERNEL_VARIANTS)
     "arrival": dict(),  # decode rows in arrival order, not longest first (KERNEL_VARIANTS)
@@ -140,13 +140,13 @@ VARIANTS = {
 }
 KIVI_VARIANTS = {"model-scales": dict(scale_dtype="model")}  # the KiviConfig side of a variant
 # the kernel side of a variant: (module, constant, value) set while the system runs (kernel_variant)
-KERNEL_VARIANTS = {"chunk-store": ("kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None),
+KERNEL_VARIANTS = {"chunk-store": ("kivi_kernels.kv_store.ops", "STORE_LOOP_MIN_HEADS", None),
                    "page-slack": ("pipeline.actors.engine.memory", "PAGE_SLACK", 0.5),
-                   "pairs": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 2),
-                   "single": ("kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1),
-                   "head-major": ("kernels.decode_attention.common", "ROW_MAJOR", False),
+                   "pairs": ("kivi_kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 2),
+                   "single": ("kivi_kernels.decode_attention.ops_mma", "MMA_STEP_BLOCKS", 1),
+                   "head-major": ("kivi_kernels.decode_attention.common", "ROW_MAJOR", False),
                    "arrival": ("pipeline.actors.engine.scheduler", "LONGEST_FIRST", False),
-                   "no-ring-pass": ("kernels.decode_attention.ops_mma", "MMA_RING_PASS", False),
+                   "no-ring-pass": ("kivi_kernels.decode_attention.ops_mma", "MMA_RING_PASS", False),
                    "full-table": ("pipeline.actors.engine.model_runner", "SHORT_TABLE_TOKENS", None)}
 
 

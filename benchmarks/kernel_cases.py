@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from common import log
 from kivi_data import P, R, bf16_bytes, kivi_args, kivi_bytes, make_kivi_sets, make_paged_sets
 
-from kernels.decode_attention import decode_attention
-from kernels.decode_attention import reference as dref
-from kernels.paged_attention import paged_decode_attention
+from kivi_kernels.decode_attention import decode_attention
+from kivi_kernels.decode_attention import reference as dref
+from kivi_kernels.paged_attention import paged_decode_attention
 
 G = 32
 CHECK_TOL = 2e-2
@@ -156,7 +156,7 @@ def bench_paged(B, L, Hq, H, D, copy_gbps) -> dict:
     nbytes = bf16_bytes(B, L, Hq, H, D)
 
     def body(rec):
-        from kernels.paged_attention import reference as pref
+        from kivi_kernels.paged_attention import reference as pref
 
         k_sets = n_sets(nbytes, max_sets=16)
         data = make_paged_sets(B, L, Hq, H, D, DEV, k_sets, seed=2)
@@ -185,8 +185,8 @@ def decode_candidates(B, L, Hq, H, bits, tune: bool) -> list[dict]:
         return [{}]
     from kernel_sweep import max_tokens_of, resolve
 
-    from kernels.decode_attention.ops_fma import _decode_attention_fma_kernel, fma_by_default
-    from kernels.decode_attention.ops_mma import MMA_DEFAULT, _decode_attention_mma_kernel
+    from kivi_kernels.decode_attention.ops_fma import _decode_attention_fma_kernel, fma_by_default
+    from kivi_kernels.decode_attention.ops_mma import MMA_DEFAULT, _decode_attention_mma_kernel
 
     mma_ok = bits in (2, 4) and H <= Hq <= 8 * H and MMA_DEFAULT and _decode_attention_mma_kernel is not None  # (bf16)
     mma = fma_by_default(B * H, max_tokens_of(L), mma_ok)

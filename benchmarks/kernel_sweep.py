@@ -8,9 +8,9 @@ cache with the same specialization the timed calls use: explicit tuning, block t
 Every variant is checked against the PyTorch reference on rows 0 and B-1 before it is timed.
 
 Variant "v1" is the kernel as it was before issue 5, kept out of the tree for comparisons: the plans find it
-in .scratch/ (git-ignored): `git show 258601d:kernels/decode_attention/kernel.py > .scratch/kernel_v1.py`,
+in .scratch/ (git-ignored): `git show 258601d:kivi_kernels/decode_attention/kernel.py > .scratch/kernel_v1.py`,
 plus that commit's ops.py as .scratch/baseline_v1.py with `decode_attention` renamed `decode_attention_v1`
-and its imports pointed at `kernels.decode_attention.common` and `kernel_v1` (carry .scratch to the device).
+and its imports pointed at `kivi_kernels.decode_attention.common` and `kernel_v1` (carry .scratch to the device).
 """
 
 from __future__ import annotations
@@ -48,18 +48,18 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
     max_tokens = max_tokens_of(L)
     t = dict(tuning)
     if impl == "v1":
-        from kernels.decode_attention import common as C
+        from kivi_kernels.decode_attention import common as C
 
         t.setdefault("block_n", 128)
         t.setdefault("num_splits", C.choose_num_splits(B * H, max_tokens, torch.device("cuda"), programs_per_sm=2))
         return t
-    from kernels.decode_attention.ops import MAX_SPLITS, launch_config
-    from kernels.decode_attention.ops_fma import FMA_PER_SM
+    from kivi_kernels.decode_attention.ops import MAX_SPLITS, launch_config
+    from kivi_kernels.decode_attention.ops_fma import FMA_PER_SM
 
     if t.get("mma") or t.get("fma"):  # the Gluon kernels (kernel_mma.py, kernel_gluon.py): only the split count
-        from kernels.decode_attention import common as C  # (and register cap, block size) apply
-        from kernels.decode_attention.ops_fma import FMA_MAXNREG
-        from kernels.decode_attention.ops_mma import MMA_MAXNREG, MMA_PER_SM, mma_resident
+        from kivi_kernels.decode_attention import common as C  # (and register cap, block size) apply
+        from kivi_kernels.decode_attention.ops_fma import FMA_MAXNREG
+        from kivi_kernels.decode_attention.ops_mma import MMA_MAXNREG, MMA_PER_SM, mma_resident
 
         per_sm = t.pop("per_sm", None)
         maxnreg = t.get("maxnreg") or (MMA_MAXNREG if t.get("mma") else FMA_MAXNREG)
@@ -73,7 +73,7 @@ def resolve(impl: str, B: int, L: int, Hq: int, H: int, tuning: dict, bits: int 
                         swap=bool(t.get("swap_ab", False)))
     per_sm = t.pop("per_sm", None)
     if per_sm is not None:
-        from kernels.decode_attention import common as C
+        from kivi_kernels.decode_attention import common as C
 
         cfg["num_splits"] = C.choose_num_splits(B * H, max_tokens, torch.device("cuda"), programs_per_sm=per_sm,
                                                 max_splits=MAX_SPLITS)
@@ -87,7 +87,7 @@ def call_fn(impl: str):
         from baseline_v1 import decode_attention_v1
 
         return decode_attention_v1
-    from kernels.decode_attention import decode_attention
+    from kivi_kernels.decode_attention import decode_attention
 
     return decode_attention
 
@@ -144,7 +144,7 @@ def run_shape(shape, variants, l2, results, sdpa=True):
     from gpu_timing import sets_for, time_graph
     from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
 
-    from kernels.decode_attention import reference as dref
+    from kivi_kernels.decode_attention import reference as dref
 
     B, L, Hq, H = shape
     dev = torch.device("cuda")

@@ -168,7 +168,7 @@ def plan(name: str):
         # and, under a wave, three stages with the split count filling whole waves of 7
         from kernel_sweep import max_tokens_of
 
-        from kernels.decode_attention.common import ONE_WARP_MAX_SPLITS, wave_splits
+        from kivi_kernels.decode_attention.common import ONE_WARP_MAX_SPLITS, wave_splits
 
         out = []
         for B, L, Hq, H in MMA_ENGINE_SHAPES:

@@ -34,8 +34,8 @@ def main() -> None:
         sys.exit("--cpu-smoke runs the Triton kernel under TRITON_INTERPRET=1")
     B, L = (2, 300) if args.cpu_smoke else (int(x) for x in args.shape.split(","))
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    from kernels.paged_attention import reference
-    from kernels.paged_attention.ops import paged_decode_attention
+    from kivi_kernels.paged_attention import reference
+    from kivi_kernels.paged_attention.ops import paged_decode_attention
 
     data = make_paged_sets(B, L, HQ, args.kv_heads, D, device, n_sets=1, seed=5)
     q, k_pages, v_pages, table, slots, seq_lens = (data["q"][0], data["k_pages"], data["v_pages"], data["table"],

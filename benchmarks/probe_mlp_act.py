@@ -1,4 +1,4 @@
-"""The SwiGLU MLP's activation at engine widths: kernels/silu_mul against transformers' two ops (issue 3).
+"""The SwiGLU MLP's activation at engine widths: kivi_kernels/silu_mul against transformers' two ops (issue 3).
 
 On the H200:
 
@@ -8,7 +8,7 @@ For each width (decode rows, and prefill chunks of 4,096 tokens) and intermediat
 Llama-3-8B's 14,336), on a fused gate/up product [rows, 2 I] in bf16 as the engine's fused projections leave it:
   silu_mul     our kernel (one read of the product, one write of [rows, I])
   transformers act_fn(gate) * up on the product's two strided halves (transformers' code under fused projections)
-  reference    kernels/silu_mul/reference.py (fp32 math, the spec)
+  reference    kivi_kernels/silu_mul/reference.py (fp32 math, the spec)
 each checked against the reference first, then timed by CUDA-graph replay over rotating input sets larger than
 the L2 cache (gpu_timing.time_graph). Bytes: the product read once and the output written once (the floor);
 `gbps` is those bytes over the time, `copy_fraction` that over the copy bandwidth measured in the same run.
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from common import copy_bandwidth, env_header, finish  # noqa: E402
 from gpu_timing import cuda_generator, l2_bytes, sets_for, time_graph  # noqa: E402
 
-from kernels.silu_mul import ops, reference  # noqa: E402
+from kivi_kernels.silu_mul import ops, reference  # noqa: E402
 
 WIDTHS = (21, 64, 141, 150, 256, 512, 4096)
 INTERMEDIATE = (11008, 14336)

@@ -3,7 +3,7 @@ launch (PDL) between small kernels in a CUDA graph.
 
     python benchmarks/probe_small_ops.py --out $OUT/small-ops.json
 
-Part silu: `kernels/silu_mul` as the engine launches it, beside tile shapes and a fast-math form (approximate
+Part silu: `kivi_kernels/silu_mul` as the engine launches it, beside tile shapes and a fast-math form (approximate
 exp and division; silu(gate) still rounded to the dtype before the product), at the decode step's widths of
 Llama-2-7B (11,008) and Llama-3-8B (14,336), each timed by CUDA-graph replay with its input in L2 (the gate/up
 product the matmul just wrote, as in the engine) and from DRAM (rotating sets), checked against the reference.
@@ -32,8 +32,8 @@ from common import copy_bandwidth, env_header, write_json  # noqa: E402
 from gpu_timing import cuda_generator, l2_bytes, sets_for, time_graph  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
-from kernels.silu_mul import ops as silu_ops  # noqa: E402
-from kernels.silu_mul import reference as silu_reference  # noqa: E402
+from kivi_kernels.silu_mul import ops as silu_ops  # noqa: E402
+from kivi_kernels.silu_mul import reference as silu_reference  # noqa: E402
 
 
 @triton.jit

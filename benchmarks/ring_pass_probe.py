@@ -38,7 +38,7 @@ DEFAULT_SHAPES = ["ring:256:128:128:32:32", "ring8:512:128:128:32:8", "a:256:161
 def run_variant(system: str, shape: str, variant: str, copy_gbps: float, l2: int) -> dict:
     from row_order_probe import bf16_case, kivi_case, measure, parse_shape
 
-    from kernels.decode_attention import ops_ring
+    from kivi_kernels.decode_attention import ops_ring
 
     name, B, Hq, H, lengths = parse_shape(shape)
     if variant == "paged":

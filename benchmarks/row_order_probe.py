@@ -59,8 +59,8 @@ def kivi_case(lengths: list[int], Hq: int, H: int, bits: int, l2: int, residual:
     from kernel_cases import rel_l2
     from kivi_data import kivi_args
 
-    from kernels.decode_attention import decode_attention
-    from kernels.decode_attention import reference as dref
+    from kivi_kernels.decode_attention import decode_attention
+    from kivi_kernels.decode_attention import reference as dref
 
     B, L = len(lengths), max(lengths)
     before, kivi_data.R = kivi_data.R, residual  # the pools' ring and quantized_len follow it
@@ -103,8 +103,8 @@ def bf16_case(lengths: list[int], Hq: int, H: int, l2: int):
     from kernel_cases import rel_l2
     from kivi_data import P, bf16_bytes, make_paged_sets
 
-    from kernels.paged_attention import ops as paged
-    from kernels.paged_attention import reference as pref
+    from kivi_kernels.paged_attention import ops as paged
+    from kivi_kernels.paged_attention import reference as pref
 
     B, L = len(lengths), max(lengths)
     nbytes = sum(bf16_bytes(1, n, Hq, H, D) for n in lengths)
@@ -157,7 +157,7 @@ def measure(rec: dict, calls, check, order: str, copy_gbps: float) -> dict:
 
 
 def run_case(system: str, shape: str, copy_gbps: float, l2: int) -> list[dict]:
-    from kernels.decode_attention import common as C
+    from kivi_kernels.decode_attention import common as C
 
     name, B, Hq, H, lengths = parse_shape(shape)
     if system == "bf16":

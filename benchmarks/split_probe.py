@@ -48,7 +48,7 @@ def probe(B: int, L: int, Hq: int, H: int, l2: int, step_blocks=(1,)) -> list[di
     from kernel_sweep import resolve
     from kivi_data import kivi_args, kivi_bytes, make_kivi_sets
 
-    from kernels.decode_attention import decode_attention
+    from kivi_kernels.decode_attention import decode_attention
 
     nbytes = kivi_bytes(B, L, Hq, H, D, 2, 2)
     n_sets = sets_for(nbytes, l2)
@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("split_probe needs a CUDA GPU")
-    from kernels.decode_attention import common as C
+    from kivi_kernels.decode_attention import common as C
 
     if args.no_pdl:
         C.programmatic_launch = lambda device: False

@@ -36,7 +36,7 @@ def store_ops(impl: str):
         import store_ops_v0
 
         return store_ops_v0.store_prefill_v0, store_ops_v0.store_decode_v0
-    from kernels.kv_store import ops as kv_ops
+    from kivi_kernels.kv_store import ops as kv_ops
 
     return kv_ops.store_prefill, kv_ops.store_decode
 
@@ -53,7 +53,7 @@ def store_tunings(tune: bool) -> list[dict]:
 
 
 def bench_store_prefill(B, T, H, D, bits, copy_gbps, tuning: dict | None = None, impl: str = "new") -> dict:
-    from kernels.kv_store import reference as kv_ref
+    from kivi_kernels.kv_store import reference as kv_ref
 
     nbytes = 2 * B * H * T * D * 2 + kivi_bytes(B, T, H, H, D, bits, bits) - 2 * B * H * D * 2
     tuning = tuning or {}
@@ -92,7 +92,7 @@ def bench_store_flush(B, H, D, bits, copy_gbps, L=4096, tuning: dict | None = No
     as in an engine's step of rows of different lengths (residual_append: row b holds L + 1 - b % G tokens;
     bench_kernels gives it L=1,152, b's length, whose pools fit 16 sets where L=4,096's would not); "none": no
     row does, as at 31 of 32 steps of rows that started together (residual_append_only: every row holds L)."""
-    from kernels.kv_store import reference as kv_ref
+    from kivi_kernels.kv_store import reference as kv_ref
 
     if flushing not in FLUSHING:
         raise ValueError(f"flushing must be one of {list(FLUSHING)}, got {flushing!r}")

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-import kernels
+import kivi_kernels
 from kivi.config import KiviConfig
 from kivi.models import check_supported
 from kivi.storage import BatchMeta, QuantizedStorage
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def resolve_backend(kivi: KiviConfig, device: torch.device, allow_interpreter: bool = True) -> KiviConfig:
     """Fall back to the reference backend where Triton cannot run (a CPU, unless the Triton
     interpreter is on and allowed: it is a test tool, far too slow for real runs)."""
-    usable = kernels.triton_usable(device.type) and (device.type == "cuda" or allow_interpreter)
+    usable = kivi_kernels.triton_usable(device.type) and (device.type == "cuda" or allow_interpreter)
     if kivi.backend == "triton" and not usable:
         log.info("Triton cannot run on %s here: using the reference kernels", device)
         return replace(kivi, backend="reference")
@@ -170,7 +170,7 @@ class KiviCache(PagedKVCache):
 
         def factory(device):
             self.kivi = resolve_backend(self.kivi, device)
-            return QuantizedStorage(self.kivi, kernels.get_ops(self.kivi.backend))
+            return QuantizedStorage(self.kivi, kivi_kernels.get_ops(self.kivi.backend))
 
         super().__init__(config, factory)
 

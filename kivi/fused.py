@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import KernelOps
+from kivi_kernels import KernelOps
 
 # model_type -> (modeling module that defines apply_rotary_pos_emb, RMSNorm class name)
 FUSED_MODEL_TYPES = {

@@ -1,7 +1,7 @@
 """Shared pieces of the decode_attention tests (test_decode_attention.py, _gluon.py, _launch.py): cases,
 cache builders, the launcher call, comparisons.
 
-Caches are built with kernels/packing.py directly: each row's keys/values are quantized page by page into
+Caches are built with kivi_kernels/packing.py directly: each row's keys/values are quantized page by page into
 random page ids (a permuted, non-identity block table), the residual ring holds tokens [nq, L) at slot t % R.
 Every byte no row owns (unused pages, trailing groups of a row's last page, unused ring slots, block-table
 entries past a row's pages) is poisoned with NaN / garbage, so reading anything outside [0, L) fails.
@@ -21,8 +21,8 @@ import math  # noqa: E402
 import zlib  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from kernels import packing  # noqa: E402
-from kernels.decode_attention import decode_attention, reference  # noqa: E402
+from kivi_kernels import packing  # noqa: E402
+from kivi_kernels.decode_attention import decode_attention, reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 1.5e-2, torch.bfloat16: 6e-2}

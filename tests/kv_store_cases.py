@@ -16,8 +16,8 @@ import math  # noqa: E402
 import zlib  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
-from kernels import packing  # noqa: E402
-from kernels.kv_store import ops, reference  # noqa: E402
+from kivi_kernels import packing  # noqa: E402
+from kivi_kernels.kv_store import ops, reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 POOLS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_res", "v_res")
@@ -84,7 +84,7 @@ def nq_of(L: int, cfg) -> int:
 
 
 def oracle_prefill(key, value, starts, lengths, slots, block_table, pools, cfg):
-    """Straightforward loops on kernels/packing.py: one group, then one residual token at a time."""
+    """Straightforward loops on kivi_kernels/packing.py: one group, then one residual token at a time."""
     kb, vb, G, R, P = (cfg[k] for k in ("k_bits", "v_bits", "group_size", "residual_length", "page_size"))
     dtype = pools["k_scale"].dtype
     for b in range(key.shape[0]):

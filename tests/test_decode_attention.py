@@ -11,7 +11,7 @@ import pytest
 import torch
 import triton.language as tl
 
-from kernels.decode_attention import attend, decode_attention, kernel, reference
+from kivi_kernels.decode_attention import attend, decode_attention, kernel, reference
 from tests.decode_attention_cases import (
     DEVICE,
     TOL,
@@ -89,7 +89,7 @@ def test_kernel_matches_reference(case: Case):
 def test_both_program_orders_match_reference(monkeypatch, row_major):
     """Programs find (row, head, split) from grid (H, B, num_splits) or (B, H, num_splits) alike: rows of
     different lengths (one empty), GQA, splits, against the reference."""
-    from kernels.decode_attention import common
+    from kivi_kernels.decode_attention import common
 
     monkeypatch.setattr(common, "ROW_MAJOR", row_major)
     assert common.decode_grid(3, 2, 4) == (((2, 3, 4), True) if row_major else ((3, 2, 4), False))
@@ -97,7 +97,7 @@ def test_both_program_orders_match_reference(monkeypatch, row_major):
 
 
 def test_decode_grid_falls_back_past_the_grid_limit(monkeypatch):
-    from kernels.decode_attention import common
+    from kivi_kernels.decode_attention import common
 
     monkeypatch.setattr(common, "ROW_MAJOR", True)
     assert common.decode_grid(common.MAX_GRID_YZ, 8, 1) == ((8, common.MAX_GRID_YZ, 1), True)
@@ -137,7 +137,7 @@ def test_launcher_rejects_bad_arguments(mutate, error, match):
 
 
 def test_choose_num_splits():
-    from kernels.decode_attention.common import choose_num_splits
+    from kivi_kernels.decode_attention.common import choose_num_splits
 
     cpu = torch.device("cpu")
     assert choose_num_splits(64 * 8, 4096, cpu) == 1  # enough programs already
@@ -154,7 +154,7 @@ def test_wave_splits_fill_whole_waves():
     import math
     import random
 
-    from kernels.decode_attention.common import MIN_TOKENS_PER_SPLIT, wave_splits
+    from kivi_kernels.decode_attention.common import MIN_TOKENS_PER_SPLIT, wave_splits
 
     assert wave_splits(512, 4352, 1056, 128) == 2 and wave_splits(32, 131_200, 1056, 128) == 33
     assert wave_splits(8, 131_200, 1056, 256) == 132 and wave_splits(8, 131_200, 1056, 128) == 128
@@ -182,7 +182,7 @@ def test_merge_splits_matches_a_log_sum_exp_merge(num_splits, head_dim):
     NaN-poisoned output, against the same merge in torch."""
     import random
 
-    from kernels.decode_attention.common import merge_splits
+    from kivi_kernels.decode_attention.common import merge_splits
 
     seed = random.randrange(2**31)  # fresh each run, named on failure
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -205,7 +205,7 @@ def test_merge_splits_matches_a_log_sum_exp_merge(num_splits, head_dim):
 
 
 def test_kernels_compile_for_h200():
-    from kernels.decode_attention import ops_fma, ops_mma
+    from kivi_kernels.decode_attention import ops_fma, ops_mma
     from tests.compile_util import compile_for_sm90_many
 
     common = dict(K_BITS=2, V_BITS=2, GROUP=32, RESIDUAL=128, PAGE=128, HEAD_DIM=128, BLOCK_N=64,
@@ -237,7 +237,7 @@ def test_kernels_compile_for_h200():
                     lse_ptr="*fp32", qk_scale="fp32", num_splits="i32")
         warps = 1 if v.get("SWAP_AB") else 8 if v["QG"] == 1 else 4
         specs.append((kernel._decode_attention_kernel, ptrs, v, dict(num_warps=warps)))
-    from kernels.decode_attention.kernel_gluon import _decode_attention_fma_kernel
+    from kivi_kernels.decode_attention.kernel_gluon import _decode_attention_fma_kernel
 
     gluon_ptrs = dict(specs[0][1], o_ptr="*fp32")
     gluon_consts = dict(GROUP=32, RESIDUAL=128, PAGE=128, SPLIT=True, stride_kc_w=128, stride_ks_g=128,
@@ -252,7 +252,7 @@ def test_kernels_compile_for_h200():
         specs.append((_decode_attention_fma_kernel, gluon_ptrs,
                       dict(gluon_consts, BLOCK_N=64, ASYNC=asynchronous, MAGIC=True),
                       dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))
-    from kernels.decode_attention.kernel_mma import _decode_attention_mma_kernel
+    from kivi_kernels.decode_attention.kernel_mma import _decode_attention_mma_kernel
 
     specs.append((_decode_attention_fma_kernel, gluon_ptrs, dict(gluon_consts, BLOCK_N=64, ASYNC=True, ROW_MAJOR=True),
                   dict(num_warps=1, maxnreg=ops_fma.FMA_MAXNREG, aligned=aligned)))  # grid (H, B, splits)
@@ -295,7 +295,7 @@ def test_kernels_compile_for_h200():
     specs.append((_decode_attention_mma_kernel, fp16_ptrs,
                   dict(mma_consts, QG=1, BITS=4, V_COPY=1, stride_vc_t=16, RING_PASS=True),
                   dict(num_warps=1, maxnreg=ops_mma.MMA_MAXNREG, aligned=mma_aligned)))
-    from kernels.decode_attention.kernel_ring import _ring_partial_kernel
+    from kivi_kernels.decode_attention.kernel_ring import _ring_partial_kernel
 
     for dtype, qg in (("bf16", 1), ("fp16", 4)):  # the ring pass
         specs.append((_ring_partial_kernel, dict(q_ptr="*" + dtype, kr_ptr="*" + dtype, vr_ptr="*" + dtype,

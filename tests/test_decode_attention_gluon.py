@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, reference
+from kivi_kernels.decode_attention import decode_attention, reference
 from tests.decode_attention_cases import (
     DEVICE,
     TOL,
@@ -63,7 +63,7 @@ MAGIC_FP32_TOL = 5e-4
 @pytest.mark.skipif(DEVICE == "cpu", reason="Gluon kernels need a GPU (no interpreter mode)")
 @pytest.mark.parametrize("case", FMA_CASES, ids=lambda c: c.id)
 def test_fma_kernel_matches_reference(case: Case):
-    from kernels.decode_attention.ops_fma import FMA_MAGIC
+    from kivi_kernels.decode_attention.ops_fma import FMA_MAGIC
 
     magic = dict(case.extra).get("magic", FMA_MAGIC)  # the launcher's default when the case does not say
     tol = MAGIC_FP32_TOL if magic and case.dtype == torch.float32 else TOL[case.dtype]
@@ -192,7 +192,7 @@ def test_mma_kernel_with_two_blocks_a_step_and_the_transposed_copy(case: Case):
 def test_gluon_kernels_in_both_program_orders_match_reference(monkeypatch, kernel: str, row_major: bool):
     """Grid (H, B, splits) and (B, H, splits) (common.ROW_MAJOR) in both Gluon kernels: B != H (a swapped row
     and head would read the wrong cache), rows of mixed lengths with one empty, a split call."""
-    from kernels.decode_attention import common
+    from kivi_kernels.decode_attention import common
 
     monkeypatch.setattr(common, "ROW_MAJOR", row_major)
     heads = (8, 2) if kernel == "mma" else (4, 4)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention
+from kivi_kernels.decode_attention import decode_attention
 from tests.decode_attention_cases import (
     Case,
     make_inputs,
@@ -33,7 +33,7 @@ def test_mma_kernel_rejects_ineligible_calls():
 def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
     """launch_mma's host side (no GPU needed): the recorded launch names every parameter of the Gluon kernel
     exactly once, with the grid, query-group size, register cap and split count the launcher chose."""
-    from kernels.decode_attention import kernel_mma, ops_mma
+    from kivi_kernels.decode_attention import kernel_mma, ops_mma
 
     calls = record_launches(monkeypatch, ops_mma, "_decode_attention_mma_kernel")
     monkeypatch.setattr(ops_mma, "MMA_RING_PASS", False)  # the ring inside the kernel (the ring pass: below)
@@ -114,7 +114,7 @@ def test_mma_launcher_passes_every_kernel_argument(monkeypatch):
 def test_mma_step_blocks_default(monkeypatch):
     """Two blocks a step at 2 bits where a program reads at least MMA_PAIRS_MIN_BLOCKS packed blocks (unsplit,
     split); one otherwise, at 4 bits, and wherever MMA_STEP_BLOCKS says so."""
-    from kernels.decode_attention import ops_mma
+    from kivi_kernels.decode_attention import ops_mma
 
     unsplit, split = ops_mma.MMA_PAIRS_MIN_BLOCKS
     splits = random.randint(2, 64)
@@ -136,13 +136,13 @@ def test_mma_step_blocks_default(monkeypatch):
 
 def test_mma_eligibility_follows_the_kernels_limits():
     """mma_eligible on host tensors: what the kernel supports, and page tensors cp.async can copy whole."""
-    from kernels.decode_attention import ops_mma
+    from kivi_kernels.decode_attention import ops_mma
 
     case = Case((300,), 8, 2, 128, 2, 2, dtype=torch.bfloat16)
     q, cache, _ = make_inputs(case)
     pages = tuple(cache[n] for n in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"))
     ok = dict(k_bits=2, v_bits=2, group_size=32, residual_length=128, page_size=128, qg=4)
-    from kernels.decode_attention import common
+    from kivi_kernels.decode_attention import common
 
     compiled = q.is_cuda and not common.interpreting() and ops_mma._decode_attention_mma_kernel is not None
     assert ops_mma.mma_eligible(q, pages, cache["k_res"], **ok) == compiled  # CPU tensors never are
@@ -159,7 +159,7 @@ def test_launcher_defaults_to_the_mma_kernel_for_large_16bit_calls(monkeypatch):
     """ops.decode_attention's choice (host side): large eligible calls, MHA and GQA, take launch_mma; small ones
     and calls that set another path's knobs do not. (The cases here are small, so the size rule is patched to
     call them large; the rule itself is checked on its own.)"""
-    from kernels.decode_attention import ops
+    from kivi_kernels.decode_attention import ops
 
     assert not ops.fma_by_default(8, 640, True) and ops.fma_by_default(128, 2176, True)
     assert not ops.fma_by_default(128, 2176, False)
@@ -195,7 +195,7 @@ def test_fma_kernel_rejects_ineligible_calls():
 def test_fma_launcher_passes_every_kernel_argument(monkeypatch):
     """launch_fma's host side (no GPU needed): the recorded launch names every parameter of the Gluon kernel
     exactly once, with the grid, block size and register cap the launcher chose."""
-    from kernels.decode_attention import kernel_gluon, ops_fma
+    from kivi_kernels.decode_attention import kernel_gluon, ops_fma
 
     calls = []
 

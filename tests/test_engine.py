@@ -273,7 +273,7 @@ def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
     """The engine's forwards run inside FusedLayers (on a GPU by default; forced here with the Triton kernels
     under the interpreter): the kernels are called in prefill and decode, completions still equal generate()
     with the same cache, and the model is unpatched again between and after calls."""
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
     from pipeline.actors.engine import build
 
@@ -290,7 +290,7 @@ def test_engine_opens_the_fused_layers_around_its_forwards(tiny, monkeypatch):
 
             return counted
 
-    ops = CountingOps(kernels.get_ops("triton"))
+    ops = CountingOps(kivi_kernels.get_ops("triton"))
     monkeypatch.setattr(build, "fused_layers", lambda model, config, device: FusedLayers(model, ops))
     reqs = requests([7, 30, 12], [9, 4, 12], seed=5)
     engine = LLMEngine(tiny, StubTokenizer(), EngineConfig(kivi=SMALL_KIVI, max_batch_size=2))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import kernels
 import kivi
+import kivi_kernels
 from kivi.storage import BatchMeta, QuantizedStorage
 from pipeline.actors.engine import EngineConfig, LLMEngine
 from tests.engine_cases import SMALL_KIVI, StubTokenizer, hf_greedy, requests
@@ -79,7 +79,7 @@ def test_float32_model_over_a_bf16_plain_cache(tiny):
 def test_storage_rounds_to_the_ring_dtype_before_it_quantizes():
     """Storing float32 keys into a bf16 cache stores exactly what storing their bf16 rounding does (packed groups
     and ring), and decode attention with a float32 query over it returns float32."""
-    storage = QuantizedStorage(SMALL_KIVI, kernels.get_ops("reference"))
+    storage = QuantizedStorage(SMALL_KIVI, kivi_kernels.get_ops("reference"))
     gen = torch.Generator().manual_seed(11)
     key, value = (torch.randn(2, 2, 70, 32, generator=gen) for _ in range(2))
     meta = BatchMeta(slots=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([70, 51], dtype=torch.int32),

@@ -52,13 +52,13 @@ def test_mean_pages_counts_each_sequence_in_whole_pages(monkeypatch):
 def test_engine_plan_gives_equal_lengths_exactly_their_slots(tiny):
     """plan_for on the CPU (the whole cpu_cache_gib for the cache), KIVI ring slots and pages alike: requests of
     one length get budget // (slot + their pages) slots, and every slot can hold a whole request."""
-    import kernels
+    import kivi_kernels
     from kivi import KiviConfig
     from kivi.models import kv_shape
     from kivi.storage import QuantizedStorage
 
     kivi = KiviConfig(residual_length=32, group_size=32, page_size=32)
-    storage = QuantizedStorage(kivi, kernels.get_ops("reference"))
+    storage = QuantizedStorage(kivi, kivi_kernels.get_ops("reference"))
     config = EngineConfig(cpu_cache_gib=float(torch.randint(2, 9, ())) / 2**10, max_batch_size=10_000)
     length = int(torch.randint(33, 400, ()))
     plan = plan_for(tiny, storage, config, [length] * 7, max_model_len=512)

@@ -9,10 +9,10 @@ tensors while a kernel runs, so an element the kernel does not write fails the c
 import pytest
 import torch
 
-from kernels.rms_norm import ops as norm_ops
-from kernels.rms_norm import reference as norm_ref
-from kernels.rotary import ops as rope_ops
-from kernels.rotary import reference as rope_ref
+from kivi_kernels.rms_norm import ops as norm_ops
+from kivi_kernels.rms_norm import reference as norm_ref
+from kivi_kernels.rotary import ops as rope_ops
+from kivi_kernels.rotary import reference as rope_ref
 from tests.compile_util import compile_for_sm90_many
 from tests.model_cases import DEVICE, tiny_lm
 
@@ -100,7 +100,7 @@ def test_rotary_and_rms_norm_refuse_bad_input():
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_fused_layers_keep_the_model_output_and_restore_it(model_type, backend):
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
 
     dtype = torch.float16 if DEVICE == "cuda" else torch.float32
@@ -108,7 +108,7 @@ def test_fused_layers_keep_the_model_output_and_restore_it(model_type, backend):
     ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with torch.no_grad():
         before = model(ids).logits.float()
-        fused = FusedLayers(model, kernels.get_ops(backend))
+        fused = FusedLayers(model, kivi_kernels.get_ops(backend))
         with fused:
             calls = {"rope": 0}
             rotary = fused.modeling.apply_rotary_pos_emb
@@ -125,11 +125,11 @@ def test_fused_layers_keep_the_model_output_and_restore_it(model_type, backend):
 
 
 def test_fused_layers_fall_through_and_refuse_unknown_models():
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
 
     model = tiny_lm("llama", torch.float32)
-    fused = FusedLayers(model, kernels.get_ops("reference"))
+    fused = FusedLayers(model, kivi_kernels.get_ops("reference"))
     with fused:
         q = torch.randn(1, 4, 3, 16, device=DEVICE)
         cos, sin = torch.randn(1, 3, 16, device=DEVICE), torch.randn(1, 3, 16, device=DEVICE)
@@ -147,12 +147,12 @@ def test_fused_layers_fall_through_and_refuse_unknown_models():
     assert vars(norm)["forward"] is hooked
     model.config.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
-        FusedLayers(model, kernels.get_ops("reference"))
+        FusedLayers(model, kivi_kernels.get_ops("reference"))
 
 
 def test_fused_kernels_compile_for_h200():
-    from kernels.rms_norm.kernel import rms_norm_kernel
-    from kernels.rotary.kernel import rotary_kernel
+    from kivi_kernels.rms_norm.kernel import rms_norm_kernel
+    from kivi_kernels.rotary.kernel import rotary_kernel
 
     norm_sig = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
     rope_sig = {n: "*bf16" for n in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "k_out_ptr")}
@@ -167,7 +167,7 @@ def test_fused_kernels_compile_for_h200():
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v with biases
 def test_fused_projections_one_matmul_for_qkv_and_gate_up(model_type, monkeypatch):
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
 
     model = tiny_lm(model_type, torch.float32)
@@ -175,7 +175,7 @@ def test_fused_projections_one_matmul_for_qkv_and_gate_up(model_type, monkeypatc
     params_before = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         before = model(ids).logits
-        fused = FusedLayers(model, kernels.get_ops("reference"), projections=True)
+        fused = FusedLayers(model, kivi_kernels.get_ops("reference"), projections=True)
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
         # the weights are now slices of one tensor per group (no extra memory)
         assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
@@ -201,7 +201,7 @@ def test_fused_projections_one_matmul_for_qkv_and_gate_up(model_type, monkeypatc
     torch.testing.assert_close(after, before, rtol=0, atol=0)  # the views hold the same values
     # a second FusedLayers (another engine on this model) reuses the fused weights instead of copying them
     storage = attn.q_proj.weight.untyped_storage().data_ptr()
-    again = FusedLayers(model, kernels.get_ops("reference"), projections=True)
+    again = FusedLayers(model, kivi_kernels.get_ops("reference"), projections=True)
     assert attn.k_proj.weight.untyped_storage().data_ptr() == storage
     # a forward that stops between a group's products leaves no activations behind once the context closes
     with again, torch.no_grad():
@@ -211,11 +211,11 @@ def test_fused_projections_one_matmul_for_qkv_and_gate_up(model_type, monkeypatc
 
 
 def test_fused_layers_enter_is_all_or_nothing(monkeypatch):
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
 
     model = tiny_lm("llama", torch.float32)
-    fused = FusedLayers(model, kernels.get_ops("reference"))
+    fused = FusedLayers(model, kivi_kernels.get_ops("reference"))
     monkeypatch.setattr(fused, "_rotary", lambda original: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         with fused:
@@ -228,7 +228,7 @@ def test_fused_layers_enter_is_all_or_nothing(monkeypatch):
 def test_mlp_chunks_keep_the_output_and_bound_each_call(projections, monkeypatch):
     """chunk_mlps: a forward over more tokens than the chunk runs each MLP on at most that many tokens at a time
     and gives the unchunked logits; a call within the chunk runs whole; on exit the MLPs run whole again."""
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
 
     model = tiny_lm("llama", torch.float32)
@@ -238,7 +238,7 @@ def test_mlp_chunks_keep_the_output_and_bound_each_call(projections, monkeypatch
     monkeypatch.setattr(mlp.down_proj, "forward", lambda x: rows.append(x.numel() // x.shape[-1]) or down(x))
     with torch.no_grad():
         before = model(ids).logits
-        fused = FusedLayers(model, kernels.get_ops("reference"), projections=projections, mlp_chunk_tokens=5)
+        fused = FusedLayers(model, kivi_kernels.get_ops("reference"), projections=projections, mlp_chunk_tokens=5)
         rows.clear()
         with fused:
             inside = model(ids).logits
@@ -250,4 +250,4 @@ def test_mlp_chunks_keep_the_output_and_bound_each_call(projections, monkeypatch
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match="mlp_chunk_tokens"):
-            FusedLayers(model, kernels.get_ops("reference"), mlp_chunk_tokens=bad)
+            FusedLayers(model, kivi_kernels.get_ops("reference"), mlp_chunk_tokens=bad)

@@ -1,16 +1,16 @@
-"""The backend switch (kernels.get_ops): every op's PyTorch reference takes the Triton launcher's arguments in the
+"""The backend switch (kivi_kernels.get_ops): every op's PyTorch reference takes the Triton launcher's arguments in the
 same order, so one switch can swap them for a whole model; bad backends and op names are clear errors."""
 
 import inspect
 
 import pytest
 
-import kernels
+import kivi_kernels
 
 
-@pytest.mark.parametrize("op", sorted(kernels._OPS))
+@pytest.mark.parametrize("op", sorted(kivi_kernels._OPS))
 def test_reference_takes_the_launchers_arguments(op):
-    launcher, reference = getattr(kernels.get_ops("triton"), op), getattr(kernels.get_ops("reference"), op)
+    launcher, reference = getattr(kivi_kernels.get_ops("triton"), op), getattr(kivi_kernels.get_ops("reference"), op)
     assert launcher is not reference
     ours, spec = inspect.signature(launcher).parameters, inspect.signature(reference).parameters
     assert list(spec) == list(ours), f"{op}: reference {list(spec)} against launcher {list(ours)}"
@@ -19,6 +19,6 @@ def test_reference_takes_the_launchers_arguments(op):
 
 def test_bad_backend_and_op_are_clear_errors():
     with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.get_ops("cuda")
+        kivi_kernels.get_ops("cuda")
     with pytest.raises(AttributeError, match="no kernel op named 'flash'"):
-        kernels.get_ops("reference").flash  # noqa: B018
+        kivi_kernels.get_ops("reference").flash  # noqa: B018

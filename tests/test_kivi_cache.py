@@ -1,7 +1,7 @@
 """KiviCache as a drop-in transformers cache, on tiny random Llama, Mistral, Qwen2 and Qwen3 models.
 
 The strongest check: KIVI logits equal those of a full-precision cache whose older tokens are
-replaced by their quantize-dequantize round trip (a simulation built on kernels/packing.py), so
+replaced by their quantize-dequantize round trip (a simulation built on kivi_kernels/packing.py), so
 the cache implements exactly KIVI's placement of groups, residual and flushes. KIVI's distance
 from full precision is then only what that round trip explains. Also the "kivi" attention function's prefill
 paths: a chunk's bottom-right causal attention against a masked reference, and masked prefill kept off cuDNN.
@@ -21,7 +21,7 @@ from transformers.models.qwen2 import Qwen2Config
 from transformers.models.qwen3 import Qwen3Config
 
 import kivi
-from kernels.packing import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from kivi_kernels.packing import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

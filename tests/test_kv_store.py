@@ -10,8 +10,8 @@ are compared whole, so any write outside the target pages/slots fails.
 import pytest
 import torch
 
-from kernels import packing
-from kernels.kv_store import ops, reference
+from kivi_kernels import packing
+from kivi_kernels.kv_store import ops, reference
 from tests.kv_store_cases import (
     BACKENDS,
     DEVICE,

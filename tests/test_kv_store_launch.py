@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.kv_store import ops
+from kivi_kernels.kv_store import ops
 from tests.kv_store_cases import BACKENDS, DEVICE, POOLS, SPEC, assert_same, cfg_of, make_batch, make_pools, seeded
 
 # D, G, block_c, num_warps, loop_chunks: chunks of keys and values per program (D = 96: the last chunk is partly
@@ -126,7 +126,7 @@ _COMPILE_SCRIPT = r"""
 import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from kernels.kv_store import kernel
+from kivi_kernels.kv_store import kernel
 INT_PTRS = {"starts_ptr", "lengths_ptr", "slots_ptr", "seq_lens_ptr", "block_table_ptr", "k_codes_ptr",
             "v_codes_ptr"}
 out = []

@@ -19,7 +19,7 @@ import zlib  # noqa: E402
 import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.paged_attention import kernel, ops, reference  # noqa: E402
+from kivi_kernels.paged_attention import kernel, ops, reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -122,7 +122,7 @@ def test_paged_decode_attention(case):
 @pytest.mark.parametrize("row_major", [True, False])
 def test_paged_decode_both_program_orders(monkeypatch, row_major):
     """grid (H, B, num_splits) and (B, H, num_splits) read the same programs: rows of different lengths, splits."""
-    from kernels.decode_attention import common
+    from kivi_kernels.decode_attention import common
 
     monkeypatch.setattr(common, "ROW_MAJOR", row_major)
     lens, Hq, H, D, P = (70, 0, 200, 33), 4, 2, 64, 32

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, reference
-from kernels.decode_attention.ops_ring import ring_partial
+from kivi_kernels.decode_attention import decode_attention, reference
+from kivi_kernels.decode_attention.ops_ring import ring_partial
 from tests.decode_attention_cases import (
     DEVICE,
     TOL,
@@ -167,7 +167,7 @@ def test_mma_launcher_runs_the_ring_pass_beside_the_kernel(monkeypatch):
     workspace [B, Hq, S + 1, D], the ring pass into split S (its rows and heads strided) on a side stream that waits
     for the call's start, and the merge of S + 1 splits follows the join, not as a programmatic dependent; other
     calls keep the ring inside the kernel."""
-    from kernels.decode_attention import kernel_ring, ops_mma, ops_ring
+    from kivi_kernels.decode_attention import kernel_ring, ops_mma, ops_ring
 
     calls = record_launches(monkeypatch, ops_mma, "_decode_attention_mma_kernel")
     rings = record_launches(monkeypatch, ops_ring, "_ring_partial_kernel")
@@ -221,7 +221,7 @@ def test_mma_ring_pass_default(monkeypatch):
     """By default the ring pass runs on 2-bit calls of one to two waves of programs (8 to 16 an SM) with no split
     count given, which then run unsplit; not at 4 bits, not under a wave or from 16 programs an SM, not with a
     split count, and nowhere with MMA_RING_PASS off."""
-    from kernels.decode_attention import ops_mma
+    from kivi_kernels.decode_attention import ops_mma
 
     sms = random.randint(1, 200)
     monkeypatch.setattr(ops_mma.C, "num_sms", lambda device: sms)

@@ -1,4 +1,4 @@
-"""The SiLU-and-multiply kernel (kernels/silu_mul) against its reference and transformers' `act_fn(gate) * up`,
+"""The SiLU-and-multiply kernel (kivi_kernels/silu_mul) against its reference and transformers' `act_fn(gate) * up`,
 and FusedLayers' silu_mul patch of SwiGLU MLPs.
 
 The kernel runs under the Triton interpreter on a CPU (fp16 and fp32: the interpreter's bf16 arithmetic is wrong)
@@ -9,7 +9,7 @@ element the kernel does not write fails the comparison.
 import pytest
 import torch
 
-from kernels.silu_mul import ops, reference
+from kivi_kernels.silu_mul import ops, reference
 from tests.compile_util import compile_for_sm90_many
 from tests.model_cases import DEVICE, tiny_lm
 
@@ -61,7 +61,7 @@ def test_silu_mul_reads_strided_rows_and_refuses_bad_input(poisoned):
 
 
 def test_silu_mul_compiles_for_h200():
-    from kernels.silu_mul.kernel import silu_mul_kernel
+    from kivi_kernels.silu_mul.kernel import silu_mul_kernel
 
     results = compile_for_sm90_many([
         (silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, {"BLOCK_M": 1, "BLOCK_N": 1024},
@@ -77,7 +77,7 @@ def test_fused_layers_run_swiglu_mlps_through_silu_mul(case):
     """FusedLayers(projections=True, silu_mul=True): each SwiGLU MLP calls silu_mul once per forward on the fused
     gate/up product (per chunk with mlp_chunk_tokens) and keeps the model's output. silu_mul=False, an MLP whose
     act_fn is not SiLU, and an MLP with a forward of its own (accelerate's hooks) keep transformers' path."""
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
 
     model = tiny_lm(hidden_act="gelu" if case == "gelu" else "silu")
@@ -85,7 +85,7 @@ def test_fused_layers_run_swiglu_mlps_through_silu_mul(case):
         for layer in model.model.layers:
             layer.mlp.forward = layer.mlp.forward  # an instance forward, as a hook's wrapper sets one
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(int(torch.randint(99, ())))).to(DEVICE)
-    ops_ref, calls = kernels.get_ops("reference"), []
+    ops_ref, calls = kivi_kernels.get_ops("reference"), []
     silu_mul = ops_ref.silu_mul
     ops_ref.silu_mul = lambda gate_up: calls.append(tuple(gate_up.shape)) or silu_mul(gate_up)
     with torch.no_grad():

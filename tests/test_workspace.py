@@ -14,7 +14,7 @@ def test_mlp_chunks_shrink_the_measured_workspace():
     dominate it, so chunks of 256 of 4,096 tokens must take most of it away."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import kernels
+    import kivi_kernels
     from kivi.fused import FusedLayers
     from pipeline.actors.engine.memory import measure_workspace
 
@@ -23,7 +23,7 @@ def test_mlp_chunks_shrink_the_measured_workspace():
                                   max_position_embeddings=8192, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(DEVICE).eval()
     whole = measure_workspace(model, 4096, 300, 1)
-    with FusedLayers(model, kernels.get_ops("triton"), mlp_chunk_tokens=256):
+    with FusedLayers(model, kivi_kernels.get_ops("triton"), mlp_chunk_tokens=256):
         chunked = measure_workspace(model, 4096, 300, 1)
     assert chunked < 0.4 * whole, (chunked, whole)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import kivi_kernels
 from kivi.fused import FUSED_MODEL_TYPES, FusedLayers
 from kivi.models import kv_shape
 from pipeline.actors.engine.block_manager import BlockManager
@@ -80,7 +80,7 @@ def fused_layers(model, config: EngineConfig, device: torch.device) -> FusedLaye
     if model_type not in FUSED_MODEL_TYPES:
         log.info("no fused RMSNorm/rotary kernels for model_type %r: transformers' ops run", model_type)
         return None
-    return FusedLayers(model, kernels.get_ops("triton"), projections=config.fused_projections,
+    return FusedLayers(model, kivi_kernels.get_ops("triton"), projections=config.fused_projections,
                        mlp_chunk_tokens=config.mlp_chunk_tokens, silu_mul=config.fused_silu_mul)
 
 

@@ -45,7 +45,7 @@ class EngineConfig:
     fused_layers: bool = True  # RMSNorm and rotary kernels in the model's forward (CUDA, supported model types)
     decode_ahead: bool = True  # greedy batches: launch step i+1 before the host reads step i's tokens
     fused_projections: bool = True  # with fused_layers: one matmul for q/k/v and one for gate/up
-    # with fused_projections: SwiGLU MLPs' act_fn(gate) * up as one kernel (kernels/silu_mul); on the H200 3% more
+    # with fused_projections: SwiGLU MLPs' act_fn(gate) * up as one kernel (kivi_kernels/silu_mul); on the H200 3% more
     # tokens/s on workload b, 6% faster prefill (engine-20261130-h200-silu-mul.json)
     fused_silu_mul: bool = True
     # with fused_layers: a prefill's MLPs on this many tokens at a time (None: whole), so the activation workspace

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import kivi_kernels
 from kivi.cache import KiviLayer, PagedKVCache, resolve_backend
 from kivi.models import kv_shape
 from kivi.storage import BatchMeta, FullStorage, QuantizedStorage
@@ -21,9 +21,9 @@ def engine_storage(config: EngineConfig, device: torch.device) -> FullStorage | 
     pages when config.kivi is None; Triton kernels on a GPU, the PyTorch references on a CPU."""
     kivi = config.kivi
     if kivi is None:
-        return FullStorage(config.page_size, kernels.get_ops("triton" if device.type == "cuda" else "reference"))
+        return FullStorage(config.page_size, kivi_kernels.get_ops("triton" if device.type == "cuda" else "reference"))
     kivi = resolve_backend(kivi, device, allow_interpreter=False)
-    return QuantizedStorage(kivi, kernels.get_ops(kivi.backend))
+    return QuantizedStorage(kivi, kivi_kernels.get_ops(kivi.backend))
 
 
 class EngineCache(PagedKVCache):

@@ -10,7 +10,7 @@ from pipeline.actors.engine.block_manager import BlockManager
 from pipeline.actors.engine.request import Sequence
 
 # A decode step takes its rows longest first. The attention kernels start their programs row by row
-# (kernels/decode_attention/common.ROW_MAJOR), so the longest programs start first and the short ones fill the
+# (kivi_kernels/decode_attention/common.ROW_MAJOR), so the longest programs start first and the short ones fill the
 # last wave (longest-processing-time first); in arrival order the last wave mixes long and short rows, and the
 # step waits for the long ones. False: arrival order (benchmarks' A/B).
 LONGEST_FIRST = True

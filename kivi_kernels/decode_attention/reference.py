@@ -2,7 +2,7 @@
 share of it, ring_partial (same signature as ops_ring.py).
 
 Vectorized over the batch: gather the pages of the rows that hold packed tokens through the block table,
-dequantize them with kernels/packing.py, append the residual ring, mask what each row does not hold, one softmax.
+dequantize them with kivi_kernels/packing.py, append the residual ring, mask what each row does not hold, one softmax.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kernels.packing import dequantize_keys, dequantize_values
+from kivi_kernels.packing import dequantize_keys, dequantize_values
 
 
 def quantized_lengths(seq_lens: torch.Tensor, group_size: int, residual_length: int) -> torch.Tensor:

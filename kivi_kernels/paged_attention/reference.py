@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention.reference import attend, gather_pages, pages_to_tokens
+from kivi_kernels.decode_attention.reference import attend, gather_pages, pages_to_tokens
 
 
 def paged_decode_attention(

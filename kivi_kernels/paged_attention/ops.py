@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels.decode_attention import common as C
+from kivi_kernels.decode_attention import common as C
 
 from .kernel import _paged_decode_kernel, _store_paged_decode_kernel, _store_paged_prefill_kernel
 

@@ -1,11 +1,11 @@
 """Triton kernels of the full-precision paged baseline: decode attention and K/V scatter stores. Only @triton.jit
 code. The online softmax, split ranges, partial stores and the split merge come from
-kernels/decode_attention/attend.py (shared, not copied)."""
+kivi_kernels/decode_attention/attend.py (shared, not copied)."""
 
 import triton
 import triton.language as tl
 
-from kernels.decode_attention.attend import _attend_block, _load_query_group, _split_range, _store_partial
+from kivi_kernels.decode_attention.attend import _attend_block, _load_query_group, _split_range, _store_partial
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """PyTorch reference for the KV store ops (the CPU backend): same signatures as ops.py.
 
 Vectorized over all groups and residual tokens of the batch (no loops over tokens or rows); fp32 math
-through kernels/packing.py, which is the spec the Triton kernels match bit for bit (checked on CPU and on
+through kivi_kernels/packing.py, which is the spec the Triton kernels match bit for bit (checked on CPU and on
 an H200). Run on CUDA tensors this reference can differ from the kernel by an fp32 ulp of scale (a code,
 rarely): torch's CUDA tensor / Python-scalar division multiplies by the reciprocal instead of dividing.
 """

@@ -95,7 +95,7 @@ def _launch_config(key: torch.Tensor, group_size: int, block_c: int | None, num_
     if key.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "kv_store Triton kernels got CPU tensors without TRITON_INTERPRET=1: use the reference backend "
-            "(kernels.kv_store.reference, or kernels.get_ops('reference')) on the CPU"
+            "(kivi_kernels.kv_store.reference, or kivi_kernels.get_ops('reference')) on the CPU"
         )
     D = key.shape[-1]
     if block_c is None:

@@ -2,7 +2,7 @@
 
 Only @triton.jit code lives here; shapes, dtypes and strides are checked by ops.py. All math is fp32
 (the interpreter gets bf16 arithmetic wrong, so tiles are cast right after loading). Codes follow
-kernels/packing.py bit for bit: scale and zero are rounded to the scale dtype first, codes are computed
+kivi_kernels/packing.py bit for bit: scale and zero are rounded to the scale dtype first, codes are computed
 from the stored values with IEEE division (div_rn), and the launcher disables FMA contraction so
 (x - zero) * inv + 0.5 rounds like the PyTorch reference.
 """

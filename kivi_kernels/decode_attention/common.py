@@ -49,7 +49,7 @@ def check_device(op: str, tensors: dict[str, torch.Tensor]) -> torch.device:
         raise RuntimeError(
             f"{op}: Triton kernels need a CUDA device (tensors are on {first}); set TRITON_INTERPRET=1 "
             "before importing kernels to run them on the CPU, or use the PyTorch reference backend "
-            "(kernels.get_ops('reference'))."
+            "(kivi_kernels.get_ops('reference'))."
         )
     return first
 

@@ -12,15 +12,15 @@ BACKENDS = ("triton", "reference")
 
 # op name -> module that defines it (the Triton launcher lives in <module>.ops, the reference in <module>.reference)
 _OPS = {
-    "store_prefill": "kernels.kv_store",
-    "store_decode": "kernels.kv_store",
-    "decode_attention": "kernels.decode_attention",
-    "paged_decode_attention": "kernels.paged_attention",
-    "store_paged_prefill": "kernels.paged_attention",
-    "store_paged_decode": "kernels.paged_attention",
-    "rms_norm": "kernels.rms_norm",
-    "apply_rotary": "kernels.rotary",
-    "silu_mul": "kernels.silu_mul",
+    "store_prefill": "kivi_kernels.kv_store",
+    "store_decode": "kivi_kernels.kv_store",
+    "decode_attention": "kivi_kernels.decode_attention",
+    "paged_decode_attention": "kivi_kernels.paged_attention",
+    "store_paged_prefill": "kivi_kernels.paged_attention",
+    "store_paged_decode": "kivi_kernels.paged_attention",
+    "rms_norm": "kivi_kernels.rms_norm",
+    "apply_rotary": "kivi_kernels.rotary",
+    "silu_mul": "kivi_kernels.silu_mul",
 }
 
 

@@ -1,6 +1,6 @@
 """Online-softmax pieces of the decode-attention kernels. Only @triton.jit code.
 
-Shared by kernel.py (the KIVI cache) and kernels/paged_attention (the bf16 baseline), never copied:
+Shared by kernel.py (the KIVI cache) and kivi_kernels/paged_attention (the bf16 baseline), never copied:
     _load_query_group      the Hq / H query heads of one KV head, padded to QG_PAD rows
     _attend_block          one online-softmax step over a [BLOCK_N, D] tile of keys and values
     _store_partial         normalized partial output (+ log-sum-exp when the sequence is split)
