@@ -62,11 +62,11 @@ def test_out_of_memory_while_capturing_a_graph_rebuilds_and_completes(monkeypatc
     expected, _ = gpu_fp32_tokens(reqs, max_batch_size=4)
     real_body, failures = model_runner.ModelRunner._decode_graph_body, []
 
-    def body(self, batch):
+    def body(self, batch, short=False):
         if torch.cuda.is_current_stream_capturing() and not failures:
             failures.append(batch)
             torch.empty(2**46, dtype=torch.uint8, device=DEVICE)
-        return real_body(self, batch)
+        return real_body(self, batch, short)
 
     monkeypatch.setattr(model_runner.ModelRunner, "_decode_graph_body", body)
     tokens, engine = gpu_fp32_tokens(reqs, max_batch_size=4)
