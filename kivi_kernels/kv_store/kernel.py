@@ -181,6 +181,13 @@ def store_prefill_kernel(
 
 
 @triton.jit
+def _live(mask, offs, seq_len):
+    """mask where the row is active (seq_len > 0), as a block: the interpreter rejects a block mask and-ed with a
+    scalar predicate."""
+    return mask & (seq_len + 0 * offs > 0)
+
+
+@triton.jit
 def store_decode_kernel(
     key_ptr, value_ptr, seq_lens_ptr, slots_ptr, block_table_ptr,
     k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr, k_res_ptr, v_res_ptr,
@@ -216,58 +223,61 @@ def store_decode_kernel(
             res_ptr = v_res_ptr
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
         slot = tl.load(slots_ptr + b).to(tl.int64)
-        if seq_len > 0:  # seq_lens == 0 marks an inactive row
-            L = seq_len - 1
-            res_base = slot * stride_res_s + h * stride_res_h
-            t0 = L - RESIDUAL
-            if (t0 >= 0) & (t0 % GROUP == 0):
-                # stage 2: the ring is full -> quantize tokens [t0, t0 + GROUP), one chunk of channels at a time
-                ring = t0 % RESIDUAL + tl.arange(0, GROUP)
-                page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
-                for ci in range(NC):  # a loop, not unrolled: one chunk's tile in registers at a time
-                    offs_c = ci * BLOCK_C + tl.arange(0, BLOCK_C)
-                    mask_c = offs_c < D
-                    x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :],
-                                mask=mask_c[None, :], other=0.0).to(tl.float32)
-                    _store_chunk(x, is_key, ci * BLOCK_C, page, (t0 % PAGE) // GROUP, h,
-                                 k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
-                                 stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
-                                 stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-                                 offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
-                # every thread must have read the old slot before any thread overwrites it below
-                tl.debug_barrier()
-            # stage 3: the new token into ring slot L % RESIDUAL
-            tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_d, x_new.to(res_ptr.dtype.element_ty),
-                     mask=mask_d)
-    else:
-        is_key, c0, offs_c = _part(tl.program_id(2), NC, BLOCK_C)
-        mask_c = offs_c < D
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-        if is_key:
-            new_ptr = key_ptr + b * stride_key_b + h * stride_key_h
-            res_ptr = k_res_ptr
-        else:
-            new_ptr = value_ptr + b * stride_value_b + h * stride_value_h
-            res_ptr = v_res_ptr
-        if seq_len > 0:  # seq_lens == 0 marks an inactive row
-            L = seq_len - 1
-            slot = tl.load(slots_ptr + b).to(tl.int64)
-            res_base = slot * stride_res_s + h * stride_res_h
-            t0 = L - RESIDUAL
-            if (t0 >= 0) & (t0 % GROUP == 0):
-                # stage 1: the ring is full -> quantize tokens [t0, t0 + GROUP) from slots t0 % RESIDUAL + i
-                ring = t0 % RESIDUAL + tl.arange(0, GROUP)
-                x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :], mask=mask_c[None, :],
-                            other=0.0).to(tl.float32)
-                page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
-                _store_chunk(x, is_key, c0, page, (t0 % PAGE) // GROUP, h,
+        # seq_lens == 0 marks an inactive row: no branch on it (as in the chunk programs), its flush test fails
+        # (t0 < 0) and its append is masked
+        L = seq_len - 1
+        res_base = slot * stride_res_s + h * stride_res_h
+        t0 = L - RESIDUAL
+        if (t0 >= 0) & (t0 % GROUP == 0):
+            # stage 2: the ring is full -> quantize tokens [t0, t0 + GROUP), one chunk of channels at a time
+            ring = t0 % RESIDUAL + tl.arange(0, GROUP)
+            page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
+            for ci in range(NC):  # a loop, not unrolled: one chunk's tile in registers at a time
+                offs_c = ci * BLOCK_C + tl.arange(0, BLOCK_C)
+                mask_c = offs_c < D
+                x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :],
+                            mask=mask_c[None, :], other=0.0).to(tl.float32)
+                _store_chunk(x, is_key, ci * BLOCK_C, page, (t0 % PAGE) // GROUP, h,
                              k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                              stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
                              stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
                              offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
-                # every thread must have read the old slot before any thread overwrites it below
-                tl.debug_barrier()
-            # stage 2: write the new token's part into ring slot L % RESIDUAL
-            x_new = tl.load(new_ptr + offs_c, mask=mask_c)
-            tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_c, x_new.to(res_ptr.dtype.element_ty),
-                     mask=mask_c)
+            # every thread must have read the old slot before any thread overwrites it below
+            tl.debug_barrier()
+        # stage 3: the new token into ring slot L % RESIDUAL
+        tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_d, x_new.to(res_ptr.dtype.element_ty),
+                 mask=_live(mask_d, offs_d, seq_len))
+    else:
+        is_key, c0, offs_c = _part(tl.program_id(2), NC, BLOCK_C)
+        mask_c = offs_c < D
+        # stage 0: the row's state and the new token's part, loaded together (none depends on another). No branch
+        # on seq_len: an inactive row's stores are masked instead, so the compiler cannot sink the slot and token
+        # loads below a test of seq_len, which would wait for one load before issuing the next
+        if is_key:
+            x_new = tl.load(key_ptr + b * stride_key_b + h * stride_key_h + offs_c, mask=mask_c)
+            res_ptr = k_res_ptr
+        else:
+            x_new = tl.load(value_ptr + b * stride_value_b + h * stride_value_h + offs_c, mask=mask_c)
+            res_ptr = v_res_ptr
+        seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        # seq_lens == 0 marks an inactive row: its flush test fails (t0 < 0) and its append is masked
+        L = seq_len - 1
+        res_base = slot * stride_res_s + h * stride_res_h
+        t0 = L - RESIDUAL
+        if (t0 >= 0) & (t0 % GROUP == 0):
+            # stage 1: the ring is full -> quantize tokens [t0, t0 + GROUP) from slots t0 % RESIDUAL + i
+            ring = t0 % RESIDUAL + tl.arange(0, GROUP)
+            x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :], mask=mask_c[None, :],
+                        other=0.0).to(tl.float32)
+            page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
+            _store_chunk(x, is_key, c0, page, (t0 % PAGE) // GROUP, h,
+                         k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                         stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+                         stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+                         offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
+            # every thread must have read the old slot before any thread overwrites it below
+            tl.debug_barrier()
+        # stage 2: write the new token's part into ring slot L % RESIDUAL
+        tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_c, x_new.to(res_ptr.dtype.element_ty),
+                 mask=_live(mask_c, offs_c, seq_len))
