@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
                    help="which kernels to run (quantize: quantize-and-pack at prefill alone)")
     p.add_argument("--store-baseline", action="store_true",
                    help="also time the store kernels before the channel-chunk rewrite: .scratch/store_ops_v0.py and "
-                   "store_kernel_v0.py, made by `git show c20ce12:kivi_kernels/kv_store/kernel.py`, and that commit's "
+                   "store_kernel_v0.py, made by `git show c20ce12:kernels/kv_store/kernel.py`, and that commit's "
                    "ops.py with store_prefill/store_decode renamed *_v0 and its kernel import pointed at "
                    "store_kernel_v0")
     p.add_argument("--workers", type=int, default=12, help="parallel compile processes (GPU)")

@@ -8,7 +8,7 @@ cache with the same specialization the timed calls use: explicit tuning, block t
 Every variant is checked against the PyTorch reference on rows 0 and B-1 before it is timed.
 
 Variant "v1" is the kernel as it was before issue 5, kept out of the tree for comparisons: the plans find it
-in .scratch/ (git-ignored): `git show 258601d:kivi_kernels/decode_attention/kernel.py > .scratch/kernel_v1.py`,
+in .scratch/ (git-ignored): `git show 258601d:kernels/decode_attention/kernel.py > .scratch/kernel_v1.py`,
 plus that commit's ops.py as .scratch/baseline_v1.py with `decode_attention` renamed `decode_attention_v1`
 and its imports pointed at `kivi_kernels.decode_attention.common` and `kernel_v1` (carry .scratch to the device).
 """

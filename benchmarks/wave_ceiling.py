@@ -4,7 +4,8 @@ Inputs: the run's ncu CSV (the tensor-core kernel alone, one launch a shape, raw
 scheduler and warp-state sections) and its bench_kernels JSON (the whole call by CUDA-graph replay, the split merge
 included, with a plain copy of the same bytes beside it). Per profiled shape (B, L, KV heads; 32 query heads):
 
-- programs, waves (programs over the resident slots, ncu's registers limit times the SMs), registers a thread;
+- programs, waves (programs over the resident slots: the tightest of ncu's occupancy limits, registers, shared
+  memory, warps and blocks, times the SMs), registers a thread;
 - inst_per_program: instructions a one-warp program executes (smsp__inst_executed over the grid), and the
   scheduler's issue rate (instructions issued a cycle) with the warps it holds (ncu's active warps over 4);
 - cycles_per_inst: cycles between a warp's instructions, and the stall reasons that make it up (per instruction);
@@ -29,10 +30,6 @@ import io
 import json
 import sys
 from pathlib import Path
-
-sys.path[:0] = [str(Path(__file__).resolve().parent)]
-
-from common import finish  # noqa: E402
 
 Q_HEADS, SCHEDULERS_PER_SM = 32, 4
 
@@ -84,7 +81,9 @@ def row(shape: tuple[int, int, int], counters: dict[str, str], call: dict, copy_
     grid = [int(x) for x in counters["Grid Size"].strip("()").split(",")]
     programs = grid[0] * grid[1] * grid[2]
     sms = int(number(counters["device__attribute_multiprocessor_count"]))
-    per_sm = int(number(counters["launch__occupancy_limit_registers"]))
+    limits = [counters.get(f"launch__occupancy_limit_{name}") for name in ("registers", "shared_mem", "warps",
+                                                                          "blocks")]
+    per_sm = min(int(number(v)) for v in limits if v)
     kernel_us = number(counters["gpu__time_duration.sum"]) / 1e3
     clock_ghz = number(counters["sm__cycles_elapsed.avg.per_second"]) / 1e9
     call_us, frac = call["ms"] * 1e3, call["frac_of_copy"]
@@ -129,8 +128,10 @@ def main() -> None:
               f"{r.get('kernel_speedup_needed', '-')}, same-size copy {r.get('same_size_copy', '-')} needs "
               f"{r.get('need_of_same_size_copy', '-')} of it, has {r.get('has_of_same_size_copy', '-')}",
               file=sys.stderr)
-    finish(args.out, {"ncu_source": str(args.ncu), "kernels_source": str(args.kernels), "copy_gbps": copy_gbs,
-                      "rows": rows})
+    result = {"ncu_source": str(args.ncu), "kernels_source": str(args.kernels), "copy_gbps": copy_gbs, "rows": rows}
+    if args.out:  # written here: benchmarks/common.finish would import torch
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
