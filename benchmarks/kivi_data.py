@@ -67,8 +67,8 @@ def make_kivi_sets(B, L, Hq, H, D, kb, vb, dtype, device, n_sets: int, seed: int
     S = n_sets * (B + 1)
     dev = dict(device=device)
 
-    # drawn in place in their own dtypes: fp32 draws of the largest pools (the rings of 16 sets at 238 rows x 32
-    # heads: 7.5 GiB each, and a second for a product) ran an 80 GB card out of memory
+    # drawn in place in their own dtypes, with no fp32 copy of a pool (the rings of 16 sets at 238 rows x 32 heads
+    # would take 7.5 GiB each)
     def uniform(shape, dt, lo, hi):
         return torch.empty(shape, dtype=dt, **dev).uniform_(lo, hi, generator=gen)
 
