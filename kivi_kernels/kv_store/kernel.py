@@ -181,6 +181,27 @@ def store_prefill_kernel(
 
 
 @triton.jit
+def _flush_chunk(
+    ring_ptr, ring, offs_c, is_key, c0, page, t0, h,
+    k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+    stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+    stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+    stride_res_t, D,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+):
+    """Quantize channels offs_c (from c0) of the oldest group, ring slots `ring` of the row's head (ring_ptr),
+    into group (t0 % PAGE) / GROUP of page `page`."""
+    mask_c = offs_c < D
+    x = tl.load(ring_ptr + ring[:, None] * stride_res_t + offs_c[None, :], mask=mask_c[None, :],
+                other=0.0).to(tl.float32)
+    _store_chunk(x, is_key, c0, page, (t0 % PAGE) // GROUP, h,
+                 k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+                 stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
+                 stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
+                 offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
+
+
+@triton.jit
 def _live(mask, offs, seq_len):
     """mask where the row is active (seq_len > 0), as a block: the interpreter rejects a block mask and-ed with a
     scalar predicate."""
@@ -207,77 +228,51 @@ def store_decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if LOOP_CHUNKS:
-        # the keys (is_key) or values of the whole head, all D channels (BLOCK_D = next_power_of_2(D)), loaded
-        # with the row's state before anything else; if the ring is full the oldest group is flushed first, NC
-        # chunks of BLOCK_C channels in turn (a loop, so the program's registers are those of one [GROUP, BLOCK_C]
-        # tile; appends, 31 rows in 32 at a staggered step, never wait on a flush)
+        # the keys (is_key) or values of the whole head, all D channels (BLOCK_D = next_power_of_2(D)); if the ring
+        # is full the oldest group is flushed first, NC chunks of BLOCK_C channels in turn (a loop, so the
+        # program's registers are those of one [GROUP, BLOCK_C] tile; appends, 31 rows in 32 at a staggered step,
+        # never wait on a flush)
         is_key = tl.program_id(2) == 0
-        # stage 1: the row's state and the new token, loaded together (none depends on another)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        if is_key:
-            x_new = tl.load(key_ptr + b * stride_key_b + h * stride_key_h + offs_d, mask=mask_d)
-            res_ptr = k_res_ptr
-        else:
-            x_new = tl.load(value_ptr + b * stride_value_b + h * stride_value_h + offs_d, mask=mask_d)
-            res_ptr = v_res_ptr
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        # seq_lens == 0 marks an inactive row: no branch on it (as in the chunk programs), its flush test fails
-        # (t0 < 0) and its append is masked
-        L = seq_len - 1
-        res_base = slot * stride_res_s + h * stride_res_h
-        t0 = L - RESIDUAL
-        if (t0 >= 0) & (t0 % GROUP == 0):
-            # stage 2: the ring is full -> quantize tokens [t0, t0 + GROUP), one chunk of channels at a time
-            ring = t0 % RESIDUAL + tl.arange(0, GROUP)
-            page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
+        c0 = 0
+        offs = tl.arange(0, BLOCK_D)
+    else:
+        is_key, c0, offs = _part(tl.program_id(2), NC, BLOCK_C)
+    mask = offs < D
+    # stage 1: the row's state and the new token's channels, loaded together (none depends on another). No branch
+    # on seq_len: seq_lens == 0 marks an inactive row, whose flush test fails (t0 < 0) and whose append is masked,
+    # so the compiler cannot sink the slot and token loads below a test of seq_len, which would wait for one load
+    # before issuing the next
+    if is_key:
+        x_new = tl.load(key_ptr + b * stride_key_b + h * stride_key_h + offs, mask=mask)
+        res_ptr = k_res_ptr
+    else:
+        x_new = tl.load(value_ptr + b * stride_value_b + h * stride_value_h + offs, mask=mask)
+        res_ptr = v_res_ptr
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    L = seq_len - 1
+    res_base = slot * stride_res_s + h * stride_res_h
+    t0 = L - RESIDUAL
+    if (t0 >= 0) & (t0 % GROUP == 0):
+        # stage 2: the ring is full -> quantize tokens [t0, t0 + GROUP) from slots t0 % RESIDUAL + i
+        ring = t0 % RESIDUAL + tl.arange(0, GROUP)
+        page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
+        if LOOP_CHUNKS:
             for ci in range(NC):  # a loop, not unrolled: one chunk's tile in registers at a time
                 offs_c = ci * BLOCK_C + tl.arange(0, BLOCK_C)
-                mask_c = offs_c < D
-                x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :],
-                            mask=mask_c[None, :], other=0.0).to(tl.float32)
-                _store_chunk(x, is_key, ci * BLOCK_C, page, (t0 % PAGE) // GROUP, h,
+                _flush_chunk(res_ptr + res_base, ring, offs_c, is_key, ci * BLOCK_C, page, t0, h,
                              k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                              stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
                              stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-                             offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
-            # every thread must have read the old slot before any thread overwrites it below
-            tl.debug_barrier()
-        # stage 3: the new token into ring slot L % RESIDUAL
-        tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_d, x_new.to(res_ptr.dtype.element_ty),
-                 mask=_live(mask_d, offs_d, seq_len))
-    else:
-        is_key, c0, offs_c = _part(tl.program_id(2), NC, BLOCK_C)
-        mask_c = offs_c < D
-        # stage 0: the row's state and the new token's part, loaded together (none depends on another). No branch
-        # on seq_len: an inactive row's stores are masked instead, so the compiler cannot sink the slot and token
-        # loads below a test of seq_len, which would wait for one load before issuing the next
-        if is_key:
-            x_new = tl.load(key_ptr + b * stride_key_b + h * stride_key_h + offs_c, mask=mask_c)
-            res_ptr = k_res_ptr
+                             stride_res_t, D, K_BITS, V_BITS, GROUP, PAGE)
         else:
-            x_new = tl.load(value_ptr + b * stride_value_b + h * stride_value_h + offs_c, mask=mask_c)
-            res_ptr = v_res_ptr
-        seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        # seq_lens == 0 marks an inactive row: its flush test fails (t0 < 0) and its append is masked
-        L = seq_len - 1
-        res_base = slot * stride_res_s + h * stride_res_h
-        t0 = L - RESIDUAL
-        if (t0 >= 0) & (t0 % GROUP == 0):
-            # stage 1: the ring is full -> quantize tokens [t0, t0 + GROUP) from slots t0 % RESIDUAL + i
-            ring = t0 % RESIDUAL + tl.arange(0, GROUP)
-            x = tl.load(res_ptr + res_base + ring[:, None] * stride_res_t + offs_c[None, :], mask=mask_c[None, :],
-                        other=0.0).to(tl.float32)
-            page = tl.load(block_table_ptr + slot * stride_bt_s + t0 // PAGE).to(tl.int64)
-            _store_chunk(x, is_key, c0, page, (t0 % PAGE) // GROUP, h,
+            _flush_chunk(res_ptr + res_base, ring, offs, is_key, c0, page, t0, h,
                          k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
                          stride_kc_n, stride_kc_h, stride_kc_w, stride_ks_n, stride_ks_h, stride_ks_g,
                          stride_vc_n, stride_vc_h, stride_vc_t, stride_vs_n, stride_vs_h, stride_vs_t,
-                         offs_c, mask_c, D, K_BITS, V_BITS, GROUP)
-            # every thread must have read the old slot before any thread overwrites it below
-            tl.debug_barrier()
-        # stage 2: write the new token's part into ring slot L % RESIDUAL
-        tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs_c, x_new.to(res_ptr.dtype.element_ty),
-                 mask=_live(mask_c, offs_c, seq_len))
+                         stride_res_t, D, K_BITS, V_BITS, GROUP, PAGE)
+        # every thread must have read the old slot before any thread overwrites it below
+        tl.debug_barrier()
+    # stage 3: the new token into ring slot L % RESIDUAL
+    tl.store(res_ptr + res_base + (L % RESIDUAL) * stride_res_t + offs, x_new.to(res_ptr.dtype.element_ty),
+             mask=_live(mask, offs, seq_len))
