@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from kernel_cases import DEV, DTYPE, G, finish, gen, guarded, n_sets, record, timed
+from kernel_cases import DEV, DTYPE, G, finish, gen, guarded, n_sets, record, rel_l2, timed
 from kivi_data import KIVI_POOLS, P, R, kivi_bytes, make_kivi_sets
 
 
@@ -44,18 +44,7 @@ def store_ops(impl: str):
 def check_stores(rec: dict, pools: list, ref: list) -> None:
     """Codes exactly equal to the reference's (keys, values) and the residual ring's relative L2."""
     rec["check_codes_equal"] = bool(torch.equal(ref[0], pools[0]) and torch.equal(ref[3], pools[3]))
-    rec["check_rel_l2"] = chunked_rel_l2(pools[6], ref[6])
-
-
-def chunked_rel_l2(out: torch.Tensor, ref: torch.Tensor, rows: int = 256) -> float:
-    """||out - ref|| / ||ref|| over the first dim in chunks of `rows`: an fp32 copy of a whole ring pool (16 sets of
-    238 rows x 32 heads: 7.5 GiB) ran the 4-bit residual_append cases out of memory on an 80 GB card."""
-    num = den = 0.0
-    for i in range(0, out.shape[0], rows):
-        o, r = out[i:i + rows].float(), ref[i:i + rows].float()
-        num += float((o - r).square().sum())
-        den += float(r.square().sum())
-    return num ** 0.5 / max(den ** 0.5, 1e-12)
+    rec["check_rel_l2"] = rel_l2(pools[6], ref[6])
 
 
 def store_tunings(tune: bool) -> list[dict]:
